@@ -1,0 +1,49 @@
+// Launch API of the fused (FlashAttention-style) forward kernel. Host-only header: no CUDA
+// types leak into callers beyond an opaque stream.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "attn/dtype.h"
+#include "attn/problem.h"
+
+namespace attn::cuda {
+
+// Plain kernel parameters: device pointers, strides in elements, sizes.
+struct FusedForwardParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // [num_heads, total_q]; null = not stored
+  int64_t q_token_stride = 0, q_head_stride = 0;
+  int64_t k_token_stride = 0, k_head_stride = 0;
+  int64_t v_token_stride = 0, v_head_stride = 0;
+  int64_t o_token_stride = 0, o_head_stride = 0;
+  int64_t total_q = 0;  // LSE row stride
+  // Device arrays of batch + 1 prefix sums. Both null for a uniform (dense) batch, in which
+  // case sequence b starts at b * seqlen_q / b * seqlen_k.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t seqlen_q = 0;  // uniform batches: every sequence's length
+  int64_t seqlen_k = 0;
+  int64_t max_seqlen_q = 0;  // sizes the grid
+  int batch = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  float scale = 0.f;
+  int window_left = -1;   // effective: negative = unbounded
+  int window_right = -1;  // effective: causal already folded in (0)
+  DType dtype = DType::kBF16;
+};
+
+// OK when the fused kernel covers the problem (dtype, head_dim); UNIMPLEMENTED with the reason
+// otherwise.
+absl::Status FusedForwardSupports(const AttentionProblem& p);
+
+// Checks alignment of pointers and strides (16-byte vector access) and launches.
+absl::Status LaunchFusedForward(const FusedForwardParams& params, void* stream);
+
+}  // namespace attn::cuda
