@@ -1,0 +1,116 @@
+// The CUDA engines behind attn::Engine: the fused engine (defined here, around the fused
+// kernel's launch API) and the factories of both CUDA engines.
+#include "cuda/cuda_engines.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "attn/status_macros.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/common/device_buffer.h"
+#include "cuda/common/workspace_pool.h"
+#include "cuda/fused/fused_forward.h"
+#include "cuda/naive/naive_engine.h"
+
+namespace attn {
+namespace {
+
+using cuda::AsStream;
+using cuda::FusedForwardParams;
+
+class CudaFusedEngine final : public Engine {
+ public:
+  explicit CudaFusedEngine(const EngineOptions& options) : options_(options) {}
+
+  EngineKind kind() const override { return EngineKind::kCudaFused; }
+  MemorySpace memory_space() const override { return MemorySpace::kDevice; }
+
+  absl::Status SupportsForward(const AttentionProblem& p) const override {
+    ATTN_RETURN_IF_ERROR(ValidateProblem(p));
+    return cuda::FusedForwardSupports(p);
+  }
+  absl::Status SupportsBackward(const AttentionProblem& p) const override {
+    return absl::UnimplementedError("cuda_fused: backward is not implemented");
+  }
+  absl::Status Backward(const AttentionProblem& p, const BackwardArgs& args) override {
+    return absl::UnimplementedError("cuda_fused: backward is not implemented");
+  }
+
+  absl::Status Forward(const AttentionProblem& p, const ForwardArgs& args) override {
+    ATTN_RETURN_IF_ERROR(ValidateForward(p, args));
+    ATTN_RETURN_IF_ERROR(cuda::FusedForwardSupports(p));
+    if (p.total_q() == 0) return absl::OkStatus();
+    cuda::ScopedDevice device(options_.device);
+    ATTN_RETURN_IF_ERROR(device.status());
+    const cudaStream_t stream = AsStream(args.stream);
+
+    FusedForwardParams params;
+    params.q = args.q.data;
+    params.k = args.k.data;
+    params.v = args.v.data;
+    params.o = args.o.data;
+    params.lse = args.lse;
+    params.q_token_stride = args.q.token_stride;
+    params.q_head_stride = args.q.head_stride;
+    params.k_token_stride = args.k.token_stride;
+    params.k_head_stride = args.k.head_stride;
+    params.v_token_stride = args.v.token_stride;
+    params.v_head_stride = args.v.head_stride;
+    params.o_token_stride = args.o.token_stride;
+    params.o_head_stride = args.o.head_stride;
+    params.total_q = p.total_q();
+    params.max_seqlen_q = p.max_seqlen_q();
+    params.batch = p.batch();
+    params.num_heads = p.num_heads;
+    params.num_kv_heads = p.num_kv_heads;
+    params.head_dim = p.head_dim;
+    params.scale = p.scale();
+    params.window_left = p.effective_window_left();
+    params.window_right = p.effective_window_right();
+    params.dtype = p.dtype;
+
+    if (p.is_uniform()) {
+      params.seqlen_q = p.seqlen_q(0);
+      params.seqlen_k = p.seqlen_k(0);
+      return cuda::LaunchFusedForward(params, stream);
+    }
+    // Variable lengths: the prefix sums travel to the device through the workspace. The copies
+    // are from pageable memory, so they have read p's vectors when they return.
+    const size_t entries = p.cu_seqlens_q.size();
+    const size_t bytes = 2 * entries * sizeof(int32_t);
+    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease, pool_.Acquire(bytes, stream));
+    int32_t* cu_q = static_cast<int32_t*>(lease.data());
+    int32_t* cu_k = cu_q + entries;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        cu_q, p.cu_seqlens_q.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        cu_k, p.cu_seqlens_k.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    params.cu_seqlens_q = cu_q;
+    params.cu_seqlens_k = cu_k;
+    return cuda::LaunchFusedForward(params, stream);
+  }
+
+ private:
+  EngineOptions options_;
+  cuda::WorkspacePool pool_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options) {
+  ATTN_ASSIGN_OR_RETURN(const int devices, cuda::CountDevices());
+  if (options.device < 0 || options.device >= devices) {
+    return absl::UnavailableError(absl::StrCat("cuda_fused: device ", options.device,
+                                               " does not exist (", devices, " devices)"));
+  }
+  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options) {
+  return cuda::MakeNaiveEngine(options);
+}
+
+}  // namespace attn
