@@ -1,0 +1,71 @@
+// The attnserve.v1.AttentionService on gRPC's callback API. Reactors never block: they check
+// the call (token, draining), decode and validate the request, pick the engine, and hand a
+// WorkItem to the Batcher; the lane thread that runs the batch finishes the RPC.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "attn/engine.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/batcher.h"
+#include "server/metrics.h"
+#include "server/request_decoder.h"
+
+namespace attnserve {
+
+class AttentionService final : public v1::AttentionService::CallbackService {
+ public:
+  struct Options {
+    std::string auth_token;  // empty: no authentication
+    DecodeLimits limits;
+  };
+
+  // `probes` hold one instance per engine the lanes run, in the same order (AUTO's preference);
+  // they only answer SupportsForward. `info` is GetServerInfo's answer, less the stats.
+  AttentionService(Options options, std::vector<std::unique_ptr<attn::Engine>> probes,
+                   Batcher* batcher, Metrics* metrics, v1::ServerInfo info);
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+
+  // From now on new requests get UNAVAILABLE; accepted ones run to the end.
+  void StartDraining() { draining_.store(true); }
+
+  // Used by the reactors.
+  absl::Status CheckCall(const grpc::CallbackServerContext& context) const;
+  // Validates the request and queues it; `done` runs once the response is filled (OK) or the
+  // request failed. On error `done` is not called and nothing was queued.
+  absl::Status Admit(const v1::AttendRequest& request, v1::AttendResponse* response,
+                     absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
+                     std::function<void(const absl::Status&)> done);
+  Metrics* metrics() { return metrics_; }
+
+ private:
+  absl::StatusOr<int> ChooseEngine(const DecodedRequest& request);
+
+  const Options options_;
+  Batcher* const batcher_;
+  Metrics* const metrics_;
+  const v1::ServerInfo info_;
+  std::atomic<bool> draining_{false};
+
+  absl::Mutex probes_mu_;
+  std::vector<std::unique_ptr<attn::Engine>> probes_ ABSL_GUARDED_BY(probes_mu_);
+  std::vector<attn::EngineKind> kinds_;  // of the probes, fixed after construction
+};
+
+}  // namespace attnserve

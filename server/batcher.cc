@@ -1,0 +1,266 @@
+#include "server/batcher.h"
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "attn/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+constexpr int64_t kAlign = 256;
+
+int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+bool Compatible(const WorkItem& a, const WorkItem& b) {
+  const attn::AttentionProblem& p = a.request.problem;
+  const attn::AttentionProblem& q = b.request.problem;
+  return a.engine == b.engine && p.dtype == q.dtype && p.num_heads == q.num_heads &&
+         p.num_kv_heads == q.num_kv_heads && p.head_dim == q.head_dim && p.causal == q.causal &&
+         p.effective_window_left() == q.effective_window_left() &&
+         p.effective_window_right() == q.effective_window_right() && p.scale() == q.scale();
+}
+
+v1::Path PathOf(attn::EngineKind kind) {
+  switch (kind) {
+    case attn::EngineKind::kCudaFused:
+      return v1::PATH_FUSED;
+    case attn::EngineKind::kCudaNaive:
+      return v1::PATH_NAIVE;
+    case attn::EngineKind::kCpuReference:
+    case attn::EngineKind::kCpuTiled:
+      return v1::PATH_CPU;
+  }
+  return v1::PATH_AUTO;
+}
+
+}  // namespace
+
+Batcher::Batcher(const Options& options, std::vector<Lane> lanes, Metrics* metrics)
+    : options_(options), metrics_(metrics), lanes_(std::move(lanes)) {
+  threads_.reserve(lanes_.size());
+  for (Lane& lane : lanes_) threads_.emplace_back([this, &lane] { LaneLoop(&lane); });
+}
+
+Batcher::~Batcher() { Stop(); }
+
+absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("server: shutting down, not accepting requests");
+  if (static_cast<int>(queue_.size()) >= options_.queue_capacity) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue: full (", options_.queue_capacity, " requests waiting); retry with backoff"));
+  }
+  queue_.push_back(std::move(item));
+  return absl::OkStatus();
+}
+
+void Batcher::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (joined_) return;
+    joined_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+bool Batcher::HasWorkOrStopping() const { return stopping_ || !queue_.empty(); }
+
+bool Batcher::FrontBatchFull() const {
+  if (stopping_ || queue_.empty()) return true;
+  const WorkItem& seed = *queue_.front();
+  int count = 0;
+  int64_t tokens = 0;
+  for (const auto& item : queue_) {
+    if (!Compatible(seed, *item)) continue;
+    ++count;
+    tokens += item->request.tokens();
+    if (count >= options_.max_batch_requests || tokens >= options_.max_batch_tokens) return true;
+  }
+  return false;
+}
+
+Batcher::Batch Batcher::TakeBatch() {
+  Batch batch;
+  int64_t tokens = 0;
+  int64_t bytes = 0;
+  const WorkItem* seed = queue_.front().get();
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    WorkItem& item = **it;
+    if (!Compatible(*seed, item)) {
+      ++it;
+      continue;
+    }
+    const int64_t item_bytes = WorkingSetBytes(item.request.problem);
+    // The seed always goes, even alone over the budget (validation capped it at the memory
+    // limit); the others stop at the first one that does not fit, keeping FIFO order.
+    if (!batch.empty() && (tokens + item.request.tokens() > options_.max_batch_tokens ||
+                           bytes + item_bytes > options_.memory_limit_bytes)) {
+      break;
+    }
+    tokens += item.request.tokens();
+    bytes += item_bytes;
+    batch.push_back(std::move(*it));
+    it = queue_.erase(it);
+    if (static_cast<int>(batch.size()) >= options_.max_batch_requests) break;
+  }
+  return batch;
+}
+
+void Batcher::LaneLoop(Lane* lane) {
+  while (true) {
+    Batch batch;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &Batcher::HasWorkOrStopping));
+      if (queue_.empty()) return;  // stopping, and nothing left to run
+      const absl::Time close_at = queue_.front()->accepted + options_.max_queue_delay;
+      mu_.AwaitWithDeadline(absl::Condition(this, &Batcher::FrontBatchFull), close_at);
+      if (queue_.empty()) continue;  // another lane took it
+      batch = TakeBatch();
+    }
+    RunBatch(*lane, std::move(batch));
+  }
+}
+
+void Batcher::RunBatch(Lane& lane, Batch batch) {
+  const absl::Time now = absl::Now();
+  Batch live;
+  for (auto& item : batch) {
+    absl::Status dropped;
+    if (item->cancelled != nullptr && item->cancelled->load()) {
+      dropped = absl::CancelledError("request: cancelled by the client before compute");
+    } else if (now >= item->deadline) {
+      dropped = absl::DeadlineExceededError(
+          absl::StrCat("request: deadline passed after ",
+                       absl::FormatDuration(now - item->accepted),
+                       " in the queue; dropped before compute"));
+    }
+    if (!dropped.ok()) {
+      metrics_->OnFinished(dropped, now - item->accepted, now - item->accepted);
+      item->done(dropped);
+    } else {
+      live.push_back(std::move(item));
+    }
+  }
+  if (live.empty()) return;
+
+  int64_t tokens = 0;
+  for (const auto& item : live) tokens += item->request.tokens();
+  const uint64_t batch_id = next_batch_id_.fetch_add(1);
+  const absl::Status status = Execute(lane, live, batch_id, tokens, now);
+  const absl::Time end = absl::Now();
+  metrics_->OnBatch(static_cast<int>(live.size()), tokens, end - now);
+  for (auto& item : live) {
+    metrics_->OnFinished(status, now - item->accepted, end - item->accepted);
+    item->done(status);
+  }
+}
+
+absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id, int64_t tokens,
+                              absl::Time started) {
+  const WorkItem& first = *batch.front();
+  attn::Engine& engine = *lane.engines[first.engine];
+
+  // The packed problem: the scalars of the first request, every request's sequences in order.
+  attn::AttentionProblem p = first.request.problem;
+  p.cu_seqlens_q.assign(1, 0);
+  p.cu_seqlens_k.assign(1, 0);
+  bool want_lse = false;
+  for (const auto& item : batch) {
+    const attn::AttentionProblem& r = item->request.problem;
+    const int32_t q0 = p.cu_seqlens_q.back(), k0 = p.cu_seqlens_k.back();
+    for (int b = 0; b < r.batch(); ++b) {
+      p.cu_seqlens_q.push_back(q0 + r.cu_seqlens_q[b + 1]);
+      p.cu_seqlens_k.push_back(k0 + r.cu_seqlens_k[b + 1]);
+    }
+    want_lse = want_lse || item->request.return_lse;
+  }
+
+  const int64_t es = attn::DTypeSize(p.dtype);
+  const int64_t q_row = int64_t{p.num_heads} * p.head_dim * es;
+  const int64_t kv_row = int64_t{p.num_kv_heads} * p.head_dim * es;
+  const int64_t total_q = p.total_q(), total_k = p.total_k();
+  const int64_t q_off = 0;
+  const int64_t k_off = AlignUp(q_off + total_q * q_row);
+  const int64_t v_off = AlignUp(k_off + total_k * kv_row);
+  const int64_t o_off = AlignUp(v_off + total_k * kv_row);
+  const int64_t lse_off = AlignUp(o_off + total_q * q_row);
+  const int64_t end = lse_off + (want_lse ? total_q * p.num_heads * 4 : 0);
+
+  DevicePool* pool = engine.memory_space() == attn::MemorySpace::kDevice ? lane.device_pool.get()
+                                                                         : lane.host_pool.get();
+  if (pool == nullptr) return absl::InternalError("batcher: lane has no pool for the engine");
+  ATTN_RETURN_IF_ERROR(pool->Reserve(end));
+
+  std::byte* host = pool->host();
+  {
+    int64_t q_at = q_off, k_at = k_off, v_at = v_off;
+    for (const auto& item : batch) {
+      const attn::AttentionProblem& r = item->request.problem;
+      const int64_t qb = r.total_q() * q_row, kb = r.total_k() * kv_row;
+      if (qb > 0) std::memcpy(host + q_at, item->request.q, qb);
+      if (kb > 0) std::memcpy(host + k_at, item->request.k, kb);
+      if (kb > 0) std::memcpy(host + v_at, item->request.v, kb);
+      q_at += qb;
+      k_at += kb;
+      v_at += kb;
+    }
+  }
+  ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_off));
+
+  std::byte* dev = pool->device();
+  attn::ForwardArgs args;
+  args.q = attn::Packed<const void*>(dev + q_off, p.num_heads, p.head_dim);
+  args.k = attn::Packed<const void*>(dev + k_off, p.num_kv_heads, p.head_dim);
+  args.v = attn::Packed<const void*>(dev + v_off, p.num_kv_heads, p.head_dim);
+  args.o = attn::Packed<void*>(dev + o_off, p.num_heads, p.head_dim);
+  args.lse = want_lse ? reinterpret_cast<float*>(dev + lse_off) : nullptr;
+  args.stream = pool->stream();
+  ATTN_RETURN_IF_ERROR(engine.Forward(p, args));
+  ATTN_RETURN_IF_ERROR(pool->CopyToHost(o_off, end - o_off));
+  ATTN_RETURN_IF_ERROR(pool->Synchronize());
+  const absl::Time computed = absl::Now();
+
+  // Split back: each request's O rows, and its columns of the [heads, total_q] LSE.
+  int64_t q_first = 0;
+  const float* lse = reinterpret_cast<const float*>(host + lse_off);
+  for (const auto& item : batch) {
+    const DecodedRequest& r = item->request;
+    const int64_t nq = r.problem.total_q();
+    v1::AttendResponse& out = *item->response;
+    v1::Tensor& o = *out.mutable_o();
+    o.set_dtype(ToProtoDType(p.dtype));
+    for (int64_t d : r.o_shape) o.add_shape(d);
+    o.mutable_data()->assign(reinterpret_cast<const char*>(host + o_off + q_first * q_row),
+                             nq * q_row);
+    if (r.return_lse) {
+      v1::Tensor& l = *out.mutable_lse();
+      l.set_dtype(v1::DTYPE_FLOAT32);
+      l.add_shape(p.num_heads);
+      l.add_shape(nq);
+      std::string* data = l.mutable_data();
+      data->resize(static_cast<size_t>(p.num_heads * nq * 4));
+      for (int h = 0; h < p.num_heads; ++h) {
+        std::memcpy(data->data() + h * nq * 4, lse + h * total_q + q_first, nq * 4);
+      }
+    }
+    out.set_path(PathOf(engine.kind()));
+    out.set_engine(std::string(engine.name()));
+    v1::Timing& t = *out.mutable_timing();
+    t.set_queue_us(absl::ToInt64Microseconds(started - item->accepted));
+    t.set_compute_us(absl::ToInt64Microseconds(computed - started));
+    t.set_total_us(absl::ToInt64Microseconds(absl::Now() - item->accepted));
+    v1::BatchInfo& bi = *out.mutable_batch();
+    bi.set_batch_id(batch_id);
+    bi.set_requests(static_cast<int>(batch.size()));
+    bi.set_tokens(tokens);
+    q_first += nq;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,101 @@
+// Dynamic batching: validated requests wait in one bounded queue; lane threads pack compatible
+// requests into one variable-length problem, run it as ONE engine call, and split the result
+// back per request.
+//
+// Compatible = same engine, dtype, head counts, head_dim, mask (causal, window) and scale.
+// A batch closes when its query + key tokens reach max_batch_tokens, when it holds
+// max_batch_requests requests, or max_queue_delay after its oldest request was accepted,
+// whichever comes first; it never exceeds the lane's memory limit. Requests whose deadline has
+// passed, or whose client cancelled, are dropped before compute.
+//
+// Each lane owns its engines (engines are not thread-safe) and its DevicePool; with several
+// lanes per GPU, one lane's copies overlap another's kernel.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "attn/engine.h"
+#include "attnserve/v1/attention.pb.h"
+#include "server/device_pool.h"
+#include "server/metrics.h"
+#include "server/request_decoder.h"
+
+namespace attnserve {
+
+// One accepted request on its way through the batcher.
+struct WorkItem {
+  DecodedRequest request;  // aliases bytes the RPC keeps alive until `done` runs
+  int engine = 0;          // index into every lane's engines
+  v1::AttendResponse* response = nullptr;  // filled in before done(OK)
+  absl::Time accepted;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::shared_ptr<const std::atomic<bool>> cancelled;  // set when the client goes away
+  // Runs exactly once, on a lane thread, after which the batcher forgets the item.
+  std::function<void(const absl::Status&)> done;
+};
+
+class Batcher {
+ public:
+  struct Options {
+    int64_t max_batch_tokens = 16384;
+    int max_batch_requests = 32;
+    absl::Duration max_queue_delay = absl::Milliseconds(2);
+    int queue_capacity = 256;
+    int64_t memory_limit_bytes = int64_t{2} << 30;
+  };
+
+  struct Lane {
+    std::vector<std::unique_ptr<attn::Engine>> engines;
+    std::unique_ptr<DevicePool> host_pool;    // staging for host engines
+    std::unique_ptr<DevicePool> device_pool;  // null when the lane has no device engine
+  };
+
+  // Starts one thread per lane.
+  Batcher(const Options& options, std::vector<Lane> lanes, Metrics* metrics);
+  ~Batcher();
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  // Queues the item. RESOURCE_EXHAUSTED when the queue is full and UNAVAILABLE once stopping;
+  // `done` is not called then.
+  absl::Status Submit(std::unique_ptr<WorkItem> item);
+
+  // Refuses new work, runs everything already queued, joins the lanes. Idempotent.
+  void Stop();
+
+  const Options& options() const { return options_; }
+
+ private:
+  using Batch = std::vector<std::unique_ptr<WorkItem>>;
+
+  void LaneLoop(Lane* lane);
+  bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool FrontBatchFull() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Batch TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunBatch(Lane& lane, Batch batch);
+  absl::Status Execute(Lane& lane, const Batch& batch, uint64_t batch_id, int64_t tokens,
+                       absl::Time started);
+
+  const Options options_;
+  Metrics* const metrics_;
+  std::vector<Lane> lanes_;
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> next_batch_id_{1};
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<WorkItem>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool joined_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,43 @@
+#include "server/config.h"
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+
+absl::Status Config::Validate() const {
+  auto bad = [](const char* flag, auto value, const char* rule) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", rule));
+  };
+  if (listen.empty()) return absl::InvalidArgumentError("--listen: must not be empty");
+  if (devices.empty()) return absl::InvalidArgumentError("--devices: needs at least one");
+  if (lanes_per_device < 0 || lanes_per_device > 16) {
+    return bad("lanes_per_device", lanes_per_device, "must be in [0, 16]");
+  }
+  if (cpu_threads < 0) return bad("cpu_threads", cpu_threads, "must be >= 0");
+  if (max_batch_tokens < 1) return bad("max_batch_tokens", max_batch_tokens, "must be >= 1");
+  if (max_batch_requests < 1) {
+    return bad("max_batch_requests", max_batch_requests, "must be >= 1");
+  }
+  if (max_queue_delay < absl::ZeroDuration()) {
+    return bad("max_queue_delay", absl::FormatDuration(max_queue_delay), "must be >= 0");
+  }
+  if (queue_capacity < 1) return bad("queue_capacity", queue_capacity, "must be >= 1");
+  if (memory_limit_bytes < (int64_t{1} << 20)) {
+    return bad("memory_limit_bytes", memory_limit_bytes, "must be >= 1 MiB");
+  }
+  if (max_message_bytes < (int64_t{1} << 10) ||
+      max_message_bytes > std::numeric_limits<int32_t>::max()) {
+    return bad("max_message_bytes", max_message_bytes, "must be in [1 KiB, 2 GiB)");
+  }
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--tls_cert_file and --tls_key_file: give both or neither");
+  }
+  if (drain_timeout < absl::ZeroDuration()) {
+    return bad("drain_timeout", absl::FormatDuration(drain_timeout), "must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

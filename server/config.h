@@ -1,0 +1,40 @@
+// Everything the server is configured with. main.cc fills it from flags; tests fill it directly.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace attnserve {
+
+struct Config {
+  std::string listen = "0.0.0.0:50051";  // port 0 picks a free port
+  std::string port_file;                 // when set, the bound port is written here
+  // auto, cpu_tiled, cpu_reference, cuda_fused, cuda_naive. auto prefers the CUDA engines and
+  // falls back to the CPU when there is no usable GPU.
+  std::string engine = "auto";
+  std::vector<int> devices = {0};  // CUDA ordinals; one set of lanes each
+  int lanes_per_device = 0;        // 0: 2 for a GPU (copies overlap compute), 1 for the CPU
+  int cpu_threads = 0;             // CPU engine threads; 0 = hardware concurrency
+
+  int64_t max_batch_tokens = 16384;
+  int max_batch_requests = 32;
+  absl::Duration max_queue_delay = absl::Milliseconds(2);
+  int queue_capacity = 256;
+  int64_t memory_limit_bytes = int64_t{2} << 30;  // per lane
+  int64_t max_message_bytes = int64_t{256} << 20;
+
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string auth_token;  // empty: no authentication
+
+  absl::Duration drain_timeout = absl::Seconds(30);
+
+  // Names the first flag that is out of range.
+  absl::Status Validate() const;
+};
+
+}  // namespace attnserve

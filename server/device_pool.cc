@@ -1,0 +1,149 @@
+#include "server/device_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+#if defined(ATTN_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace attnserve {
+namespace {
+
+constexpr int64_t kAlignment = 256;
+constexpr int64_t kMinCapacity = int64_t{1} << 20;
+
+#if defined(ATTN_HAVE_CUDA)
+absl::Status CudaCheck(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(err));
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
+  return absl::InternalError(message);
+}
+#endif
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace space,
+                                                               int device,
+                                                               int64_t limit_bytes) {
+  std::unique_ptr<DevicePool> pool(new DevicePool(space, device, limit_bytes));
+  if (space == attn::MemorySpace::kDevice) {
+#if defined(ATTN_HAVE_CUDA)
+    if (auto s = CudaCheck(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
+    cudaStream_t stream = nullptr;
+    if (auto s = CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                           "cudaStreamCreate");
+        !s.ok()) {
+      return s;
+    }
+    pool->stream_ = stream;
+#else
+    return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+  }
+  return pool;
+}
+
+DevicePool::~DevicePool() {
+  Release();
+#if defined(ATTN_HAVE_CUDA)
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+#endif
+}
+
+void DevicePool::Release() {
+  if (space_ == attn::MemorySpace::kDevice) {
+#if defined(ATTN_HAVE_CUDA)
+    if (host_ != nullptr) cudaFreeHost(host_);
+    if (device_ != nullptr) cudaFree(device_);
+#endif
+  } else {
+    std::free(host_);
+  }
+  host_ = nullptr;
+  device_ = nullptr;
+  capacity_ = 0;
+}
+
+absl::Status DevicePool::Reserve(int64_t bytes) {
+  if (bytes <= capacity_) return absl::OkStatus();
+  if (bytes > limit_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device pool: a batch needs ", bytes, " bytes, the limit is ", limit_));
+  }
+  int64_t grown = std::max({bytes, 2 * capacity_, kMinCapacity});
+  grown = std::min(grown, limit_);
+  grown = (grown + kAlignment - 1) / kAlignment * kAlignment;
+
+  if (space_ == attn::MemorySpace::kDevice) {
+#if defined(ATTN_HAVE_CUDA)
+    // Work still queued on the stream may read the old regions.
+    if (auto s = Synchronize(); !s.ok()) return s;
+    void* host = nullptr;
+    void* device = nullptr;
+    if (auto s = CudaCheck(cudaSetDevice(device_ordinal_), "cudaSetDevice"); !s.ok()) return s;
+    if (auto s = CudaCheck(cudaHostAlloc(&host, grown, cudaHostAllocDefault), "cudaHostAlloc");
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = CudaCheck(cudaMalloc(&device, grown), "cudaMalloc"); !s.ok()) {
+      cudaFreeHost(host);
+      return s;
+    }
+    Release();
+    host_ = static_cast<std::byte*>(host);
+    device_ = static_cast<std::byte*>(device);
+#else
+    return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+  } else {
+    void* host = std::aligned_alloc(kAlignment, grown);
+    if (host == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("device pool: cannot allocate ", grown, " bytes of host memory"));
+    }
+    Release();
+    host_ = static_cast<std::byte*>(host);
+  }
+  capacity_ = grown;
+  return absl::OkStatus();
+}
+
+absl::Status DevicePool::CopyToDevice(int64_t offset, int64_t bytes) {
+  if (space_ != attn::MemorySpace::kDevice || bytes == 0) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(cudaMemcpyAsync(device_ + offset, host_ + offset, bytes,
+                                   cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_)),
+                   "cudaMemcpyAsync(host to device)");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::CopyToHost(int64_t offset, int64_t bytes) {
+  if (space_ != attn::MemorySpace::kDevice || bytes == 0) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(cudaMemcpyAsync(host_ + offset, device_ + offset, bytes,
+                                   cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream_)),
+                   "cudaMemcpyAsync(device to host)");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::Synchronize() {
+  if (space_ != attn::MemorySpace::kDevice) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)),
+                   "cudaStreamSynchronize");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+}  // namespace attnserve

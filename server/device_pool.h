@@ -1,0 +1,63 @@
+// Memory one batcher lane reuses from batch to batch: a host staging region where requests are
+// packed, and, for device engines, a device region of the same size plus a CUDA stream.
+//
+// Both regions grow geometrically to the largest batch seen, never past the limit, and are
+// never freed between batches: no allocation per request. With CUDA the staging region is
+// pinned (cudaHostAlloc) so that the copies are truly asynchronous on the lane's stream; two
+// lanes on one device each own a pool and a stream, so one batch's copies overlap the other
+// lane's compute. Host engines use the staging region directly and copies are no-ops.
+//
+// Next (sessions over a paged KV cache): a second, page-granular pool per device that keeps a
+// sequence's K/V resident across requests; a batch would then stage only Q here and pass the
+// page table to the engine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "attn/engine.h"
+
+namespace attnserve {
+
+class DevicePool {
+ public:
+  // `device` is the CUDA ordinal (ignored for host memory). `limit_bytes` caps each region.
+  static absl::StatusOr<std::unique_ptr<DevicePool>> Create(attn::MemorySpace space, int device,
+                                                            int64_t limit_bytes);
+  ~DevicePool();
+  DevicePool(const DevicePool&) = delete;
+  DevicePool& operator=(const DevicePool&) = delete;
+
+  // Makes both regions at least `bytes` long. RESOURCE_EXHAUSTED past the limit or when the
+  // allocation fails; the old regions stay valid then.
+  absl::Status Reserve(int64_t bytes);
+
+  std::byte* host() { return host_; }
+  // The engine's view of the same offsets: device memory, or host() for host engines.
+  std::byte* device() { return space_ == attn::MemorySpace::kDevice ? device_ : host_; }
+  // cudaStream_t as void*, null for host engines.
+  void* stream() { return stream_; }
+  int64_t capacity() const { return capacity_; }
+
+  // Asynchronous on stream(); no-ops for host engines.
+  absl::Status CopyToDevice(int64_t offset, int64_t bytes);
+  absl::Status CopyToHost(int64_t offset, int64_t bytes);
+  absl::Status Synchronize();
+
+ private:
+  DevicePool(attn::MemorySpace space, int device, int64_t limit_bytes)
+      : space_(space), device_ordinal_(device), limit_(limit_bytes) {}
+  void Release();
+
+  attn::MemorySpace space_;
+  int device_ordinal_;
+  int64_t limit_;
+  int64_t capacity_ = 0;
+  std::byte* host_ = nullptr;
+  std::byte* device_ = nullptr;
+  void* stream_ = nullptr;
+};
+
+}  // namespace attnserve

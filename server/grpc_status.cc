@@ -1,0 +1,20 @@
+#include "server/grpc_status.h"
+
+#include <string>
+
+namespace attnserve {
+
+// absl::StatusCode and grpc::StatusCode share the canonical google.rpc.Code numbering (0..16);
+// the cast is the mapping, kept here so that no other file relies on it.
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+}  // namespace attnserve

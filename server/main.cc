@@ -1,0 +1,121 @@
+// attnserve: the gRPC attention server. Parses flags, builds the Config, runs until SIGTERM or
+// SIGINT, then drains.
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "server/config.h"
+#include "server/logging.h"
+#include "server/server.h"
+#include "server/termination_signal.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "Address to listen on; port 0 picks a free one");
+ABSL_FLAG(std::string, port_file, "", "Write the bound port to this file once listening");
+ABSL_FLAG(std::string, engine, "auto",
+          "auto (CUDA fused, then naive, then CPU), cpu_tiled, cpu_reference, cuda_fused or "
+          "cuda_naive");
+ABSL_FLAG(std::vector<std::string>, devices, {"0"}, "CUDA device ordinals to serve on");
+ABSL_FLAG(int, lanes_per_device, 0,
+          "Batch lanes (threads, each with its own engines, stream and pool) per device; "
+          "0 = 2 on a GPU, 1 on the CPU");
+ABSL_FLAG(int, cpu_threads, 0, "CPU engine threads; 0 = all cores");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384,
+          "A batch closes when its query + key tokens reach this");
+ABSL_FLAG(int, max_batch_requests, 32, "A batch closes when it holds this many requests");
+ABSL_FLAG(absl::Duration, max_queue_delay, absl::Milliseconds(2),
+          "A batch closes this long after its oldest request arrived");
+ABSL_FLAG(int, queue_capacity, 256, "Queued requests; beyond it RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, memory_limit_bytes, int64_t{2} << 30,
+          "Per lane: bytes of Q, K, V, O and LSE one batch may use (pinned staging and device "
+          "pool grow up to it); larger requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "Largest gRPC message, each way");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; enables TLS with --tls_key_file");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key for --tls_cert_file");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a bearer token every AttentionService call must present "
+          "(authorization: Bearer <token>); health and reflection stay open");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
+          "On SIGTERM/SIGINT, how long accepted calls get to finish");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+namespace {
+
+absl::StatusOr<attnserve::Config> ConfigFromFlags() {
+  attnserve::Config c;
+  c.listen = absl::GetFlag(FLAGS_listen);
+  c.port_file = absl::GetFlag(FLAGS_port_file);
+  c.engine = absl::GetFlag(FLAGS_engine);
+  c.devices.clear();
+  for (const std::string& d : absl::GetFlag(FLAGS_devices)) {
+    int ordinal = 0;
+    if (!absl::SimpleAtoi(d, &ordinal) || ordinal < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices: '", d, "' is not an ordinal"));
+    }
+    c.devices.push_back(ordinal);
+  }
+  c.lanes_per_device = absl::GetFlag(FLAGS_lanes_per_device);
+  c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  c.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
+  c.max_queue_delay = absl::GetFlag(FLAGS_max_queue_delay);
+  c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
+  c.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_bytes);
+  c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  c.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
+    std::getline(in, c.auth_token);
+    if (c.auth_token.empty()) {
+      return absl::InvalidArgumentError("--auth_token_file: the first line is empty");
+    }
+  }
+  c.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc");
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage("The attnserve gRPC attention server. Flags:");
+  absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<attnserve::LogLevel> level = attnserve::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(level.status().message()).c_str());
+    return 2;
+  }
+  attnserve::SetLogLevel(*level);
+  absl::StatusOr<attnserve::Config> config = ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+
+  attnserve::TerminationSignal::Block();  // before any thread starts
+  absl::StatusOr<std::unique_ptr<attnserve::Server>> server = attnserve::Server::Start(*config);
+  if (!server.ok()) {
+    ATTN_LOG(kError) << "cannot start: " << server.status();
+    return 1;
+  }
+  const int signal_number = attnserve::TerminationSignal::Wait();
+  ATTN_LOG(kInfo) << "signal " << signal_number << " received";
+  (*server)->Drain();
+  return 0;
+}

@@ -1,0 +1,212 @@
+#include "server/request_decoder.h"
+
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "attn/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+// cu_seqlens are int32, so every token count must fit.
+constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
+// Sequences in one request; bounds the cu_seqlens a dense header could make us allocate.
+constexpr int64_t kMaxBatch = int64_t{1} << 20;
+
+absl::Status Invalid(const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+// Checks a tensor's dtype, rank and dimension ranges, and that its bytes match shape x dtype.
+absl::Status CheckTensor(const char* name, const v1::Tensor& t, attn::DType dtype, int rank) {
+  if (t.shape_size() != rank) {
+    return Invalid(absl::StrCat(name, ".shape"),
+                   absl::StrCat("expected ", rank, " dimensions like q, got ", ShapeString(t)));
+  }
+  int64_t elements = 1;
+  for (int i = 0; i < rank; ++i) {
+    const int64_t dim = t.shape(i);
+    if (dim < 0 || dim > kMaxTokens) {
+      return Invalid(absl::StrCat(name, ".shape[", i, "]"),
+                     absl::StrCat("out of range: ", dim));
+    }
+    if (dim != 0 && elements > std::numeric_limits<int64_t>::max() / 8 / dim) {
+      return Invalid(absl::StrCat(name, ".shape"), absl::StrCat(ShapeString(t), " is too large"));
+    }
+    elements *= dim;
+  }
+  const int64_t expected = elements * attn::DTypeSize(dtype);
+  if (static_cast<int64_t>(t.data().size()) != expected) {
+    return Invalid(absl::StrCat(name, ".data"),
+                   absl::StrCat(t.data().size(), " bytes, expected ", expected, " (shape ",
+                                ShapeString(t), " x ", std::string(attn::DTypeName(dtype)), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDim(const char* field, int64_t got, int64_t want, const char* what) {
+  if (got != want) {
+    return Invalid(field, absl::StrCat(got, " differs from ", what, " ", want));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t WorkingSetBytes(const attn::AttentionProblem& p) {
+  const int64_t es = attn::DTypeSize(p.dtype);
+  const int64_t d = p.head_dim;
+  const int64_t q = p.total_q() * p.num_heads * d * es;
+  const int64_t kv = p.total_k() * p.num_kv_heads * d * es;
+  const int64_t lse = p.total_q() * p.num_heads * 4;
+  return 2 * q + 2 * kv + lse;
+}
+
+absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return attn::DType::kF32;
+    case v1::DTYPE_FLOAT16:
+      return attn::DType::kF16;
+    case v1::DTYPE_BFLOAT16:
+      return attn::DType::kBF16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", static_cast<int>(dtype), " is not float32, float16 or bfloat16"));
+  }
+}
+
+v1::DType ToProtoDType(attn::DType dtype) {
+  switch (dtype) {
+    case attn::DType::kF32:
+      return v1::DTYPE_FLOAT32;
+    case attn::DType::kF16:
+      return v1::DTYPE_FLOAT16;
+    case attn::DType::kBF16:
+      return v1::DTYPE_BFLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
+                                                   const DecodeLimits& limits) {
+  if (!r.has_q()) return Invalid("q", "missing");
+  if (!r.has_k()) return Invalid("k", "missing");
+  if (!r.has_v()) return Invalid("v", "missing");
+  if (!v1::Path_IsValid(r.path())) {
+    return Invalid("path", absl::StrCat("unknown value ", static_cast<int>(r.path())));
+  }
+
+  auto dtype = FromProtoDType(r.q().dtype());
+  if (!dtype.ok()) return Invalid("q.dtype", std::string(dtype.status().message()));
+  for (const auto& [name, t] : {std::pair<const char*, const v1::Tensor*>{"k", &r.k()},
+                                {"v", &r.v()}}) {
+    if (t->dtype() != r.q().dtype()) {
+      return Invalid(absl::StrCat(name, ".dtype"),
+                     absl::StrCat(v1::DType_Name(t->dtype()), " differs from q.dtype ",
+                                  v1::DType_Name(r.q().dtype())));
+    }
+  }
+
+  const int rank = r.q().shape_size();
+  if (rank != 3 && rank != 4) {
+    return Invalid("q.shape", absl::StrCat("expected [batch, seqlen, heads, head_dim] or [tokens, "
+                                           "heads, head_dim], got ",
+                                           ShapeString(r.q())));
+  }
+  ATTN_RETURN_IF_ERROR(CheckTensor("q", r.q(), *dtype, rank));
+  ATTN_RETURN_IF_ERROR(CheckTensor("k", r.k(), *dtype, rank));
+  ATTN_RETURN_IF_ERROR(CheckTensor("v", r.v(), *dtype, rank));
+  for (int i = 0; i < rank; ++i) {
+    if (r.v().shape(i) != r.k().shape(i)) {
+      return Invalid("v.shape", absl::StrCat(ShapeString(r.v()), " differs from k.shape ",
+                                             ShapeString(r.k())));
+    }
+  }
+
+  DecodedRequest d;
+  attn::AttentionProblem& p = d.problem;
+  p.dtype = *dtype;
+  const auto& qs = r.q().shape();
+  const auto& ks = r.k().shape();
+  if (rank == 4) {
+    if (r.cu_seqlens_q_size() != 0 || r.cu_seqlens_k_size() != 0) {
+      return Invalid("cu_seqlens_q", "only for the variable-length (3-D) layout");
+    }
+    ATTN_RETURN_IF_ERROR(CheckDim("k.shape[0]", ks[0], qs[0], "q.shape[0] (batch)"));
+    ATTN_RETURN_IF_ERROR(CheckDim("k.shape[3]", ks[3], qs[3], "q.shape[3] (head_dim)"));
+    if (qs[0] < 1 || qs[0] > kMaxBatch) {
+      return Invalid("q.shape[0]", absl::StrCat("batch must be in [1, ", kMaxBatch, "], got ", qs[0]));
+    }
+    if (qs[0] * qs[1] > kMaxTokens || ks[0] * ks[1] > kMaxTokens) {
+      return Invalid("q.shape", "more than 2^31-1 tokens");
+    }
+    p.num_heads = static_cast<int>(qs[2]);
+    p.num_kv_heads = static_cast<int>(ks[2]);
+    p.head_dim = static_cast<int>(qs[3]);
+    p.cu_seqlens_q.assign(1, 0);
+    p.cu_seqlens_k.assign(1, 0);
+    for (int64_t b = 0; b < qs[0]; ++b) {
+      p.cu_seqlens_q.push_back(static_cast<int32_t>((b + 1) * qs[1]));
+      p.cu_seqlens_k.push_back(static_cast<int32_t>((b + 1) * ks[1]));
+    }
+  } else {
+    ATTN_RETURN_IF_ERROR(CheckDim("k.shape[2]", ks[2], qs[2], "q.shape[2] (head_dim)"));
+    p.num_heads = static_cast<int>(qs[1]);
+    p.num_kv_heads = static_cast<int>(ks[1]);
+    p.head_dim = static_cast<int>(qs[2]);
+    if (r.cu_seqlens_q_size() == 0 && r.cu_seqlens_k_size() == 0) {
+      p.cu_seqlens_q = {0, static_cast<int32_t>(qs[0])};
+      p.cu_seqlens_k = {0, static_cast<int32_t>(ks[0])};
+    } else {
+      if (r.cu_seqlens_q_size() == 0) return Invalid("cu_seqlens_q", "missing (cu_seqlens_k is set)");
+      if (r.cu_seqlens_k_size() == 0) return Invalid("cu_seqlens_k", "missing (cu_seqlens_q is set)");
+      p.cu_seqlens_q.assign(r.cu_seqlens_q().begin(), r.cu_seqlens_q().end());
+      p.cu_seqlens_k.assign(r.cu_seqlens_k().begin(), r.cu_seqlens_k().end());
+      if (p.cu_seqlens_q.back() != qs[0]) {
+        return Invalid("cu_seqlens_q", absl::StrCat("last entry ", p.cu_seqlens_q.back(),
+                                                    " differs from q.shape[0] ", qs[0]));
+      }
+      if (p.cu_seqlens_k.back() != ks[0]) {
+        return Invalid("cu_seqlens_k", absl::StrCat("last entry ", p.cu_seqlens_k.back(),
+                                                    " differs from k.shape[0] ", ks[0]));
+      }
+    }
+  }
+  if (p.num_heads < 1) return Invalid("q.shape", "num_heads must be >= 1");
+  if (p.num_kv_heads < 1) return Invalid("k.shape", "num_kv_heads must be >= 1");
+  if (p.num_heads % p.num_kv_heads != 0) {
+    return Invalid("k.shape", absl::StrCat("num_kv_heads ", p.num_kv_heads,
+                                           " does not divide num_heads ", p.num_heads,
+                                           " (GQA ratio must be an integer)"));
+  }
+  p.causal = r.causal();
+  p.window_left = r.has_window_left() ? r.window_left() : -1;
+  p.window_right = r.has_window_right() ? r.window_right() : -1;
+  p.softmax_scale = r.softmax_scale();
+  ATTN_RETURN_IF_ERROR(attn::ValidateProblem(p));
+
+  const int64_t bytes = WorkingSetBytes(p);
+  if (bytes > limits.memory_limit_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: needs ", bytes, " bytes for Q, K, V, O and LSE; the server's "
+                     "memory limit per batch is ",
+                     limits.memory_limit_bytes, " bytes"));
+  }
+
+  d.q = r.q().data().data();
+  d.k = r.k().data().data();
+  d.v = r.v().data().data();
+  d.o_shape.assign(qs.begin(), qs.end());
+  d.return_lse = r.return_lse();
+  d.path = r.path();
+  return d;
+}
+
+}  // namespace attnserve

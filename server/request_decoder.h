@@ -1,0 +1,44 @@
+// Turns an AttendRequest into a validated attention problem whose tensors point into the
+// request's own bytes. Everything a request can get wrong is caught here, before it is queued,
+// and the message names the field. The libFuzzer target (tests/server) drives this file.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attn/problem.h"
+#include "attnserve/v1/attention.pb.h"
+
+namespace attnserve {
+
+struct DecodeLimits {
+  // One request's working set (Q, K, V, O and the LSE) must fit in this many bytes.
+  int64_t memory_limit_bytes = int64_t{4} << 30;
+};
+
+// A validated request. The tensor pointers alias the request's bytes: the request must outlive
+// this object.
+struct DecodedRequest {
+  attn::AttentionProblem problem;
+  const char* q = nullptr;  // [total_q, num_heads, head_dim], packed
+  const char* k = nullptr;  // [total_k, num_kv_heads, head_dim], packed
+  const char* v = nullptr;
+  std::vector<int64_t> o_shape;  // the shape of q, which O takes
+  bool return_lse = false;
+  v1::Path path = v1::PATH_AUTO;
+
+  int64_t tokens() const { return problem.total_q() + problem.total_k(); }
+};
+
+// Bytes of Q, K, V, O (problem dtype) and the float32 LSE of a problem.
+int64_t WorkingSetBytes(const attn::AttentionProblem& p);
+
+absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype);
+v1::DType ToProtoDType(attn::DType dtype);
+
+// INVALID_ARGUMENT naming the field, or RESOURCE_EXHAUSTED when the request is too large.
+absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& request,
+                                                   const DecodeLimits& limits);
+
+}  // namespace attnserve

@@ -1,0 +1,236 @@
+#include "server/server.h"
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "attn/problem.h"
+#include "attn/status_macros.h"
+#include "server/device_pool.h"
+#include "server/logging.h"
+
+namespace attnserve {
+namespace {
+
+constexpr char kServiceName[] = "attnserve.v1.AttentionService";
+constexpr char kVersion[] = "0.1.0";
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read '", path, "'"));
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// The engine kinds this server runs, in AUTO's order of preference.
+absl::StatusOr<std::vector<attn::EngineKind>> ChooseEngineKinds(const Config& config) {
+  if (config.engine != "auto") {
+    ATTN_ASSIGN_OR_RETURN(attn::EngineKind kind, attn::ParseEngineKind(config.engine));
+    return std::vector<attn::EngineKind>{kind};
+  }
+  std::vector<attn::EngineKind> kinds;
+  for (attn::EngineKind kind : {attn::EngineKind::kCudaFused, attn::EngineKind::kCudaNaive}) {
+    attn::EngineOptions options;
+    options.device = config.devices.front();
+    absl::StatusOr<std::unique_ptr<attn::Engine>> probe = attn::CreateEngine(kind, options);
+    if (probe.ok()) {
+      kinds.push_back(kind);
+    } else {
+      ATTN_LOG(kInfo) << EngineKindName(kind) << " not used: " << probe.status().message();
+    }
+  }
+  kinds.push_back(attn::EngineKind::kCpuTiled);
+  return kinds;
+}
+
+bool IsDeviceKind(attn::EngineKind kind) {
+  return kind == attn::EngineKind::kCudaFused || kind == attn::EngineKind::kCudaNaive;
+}
+
+v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::EngineKind>& kinds,
+                              int lanes) {
+  v1::ServerInfo info;
+  info.set_version(kVersion);
+  bool gpu = false;
+  for (attn::EngineKind kind : kinds) {
+    info.add_engines(std::string(attn::EngineKindName(kind)));
+    gpu = gpu || IsDeviceKind(kind);
+    const v1::Path path = kind == attn::EngineKind::kCudaFused   ? v1::PATH_FUSED
+                          : kind == attn::EngineKind::kCudaNaive ? v1::PATH_NAIVE
+                                                                 : v1::PATH_CPU;
+    bool listed = false;
+    for (int p : info.paths()) listed = listed || p == path;
+    if (!listed) info.add_paths(path);
+  }
+  info.set_gpu(gpu);
+  if (gpu) {
+    for (int d : config.devices) {
+      v1::Device* device = info.add_devices();
+      device->set_name(absl::StrCat("cuda:", d));
+      device->set_kind("cuda");
+    }
+  }
+  v1::Device* cpu = info.add_devices();
+  cpu->set_name("cpu");
+  cpu->set_kind("cpu");
+  for (v1::DType t : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
+    info.add_dtypes(t);
+  }
+  for (int d : {32, 64, 96, 128, 256}) info.add_head_dims(d);
+  v1::Limits* limits = info.mutable_limits();
+  limits->set_max_message_bytes(config.max_message_bytes);
+  limits->set_max_batch_tokens(config.max_batch_tokens);
+  limits->set_max_batch_requests(config.max_batch_requests);
+  limits->set_max_queue_delay_us(absl::ToInt64Microseconds(config.max_queue_delay));
+  limits->set_queue_capacity(config.queue_capacity);
+  limits->set_memory_limit_bytes(config.memory_limit_bytes);
+  limits->set_max_head_dim(attn::kMaxHeadDim);
+  limits->set_batch_lanes(lanes);
+  info.set_auth_required(!config.auth_token.empty());
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
+  ATTN_RETURN_IF_ERROR(config.Validate());
+  std::unique_ptr<Server> self(new Server(config));
+
+  ATTN_ASSIGN_OR_RETURN(std::vector<attn::EngineKind> kinds, ChooseEngineKinds(config));
+  bool any_device = false;
+  for (attn::EngineKind kind : kinds) any_device = any_device || IsDeviceKind(kind);
+
+  // Lanes: per device when a GPU engine runs, otherwise one lane set on the CPU.
+  const std::vector<int> lane_devices = any_device ? config.devices : std::vector<int>{0};
+  const int per_device = config.lanes_per_device > 0 ? config.lanes_per_device
+                         : any_device                ? 2
+                                                     : 1;
+  std::vector<Batcher::Lane> lanes;
+  for (int device : lane_devices) {
+    for (int i = 0; i < per_device; ++i) {
+      attn::EngineOptions options;
+      options.device = device;
+      options.num_threads = config.cpu_threads;
+      Batcher::Lane lane;
+      for (attn::EngineKind kind : kinds) {
+        ATTN_ASSIGN_OR_RETURN(std::unique_ptr<attn::Engine> engine,
+                              attn::CreateEngine(kind, options));
+        lane.engines.push_back(std::move(engine));
+      }
+      ATTN_ASSIGN_OR_RETURN(lane.host_pool, DevicePool::Create(attn::MemorySpace::kHost, device,
+                                                               config.memory_limit_bytes));
+      if (any_device) {
+        ATTN_ASSIGN_OR_RETURN(lane.device_pool,
+                              DevicePool::Create(attn::MemorySpace::kDevice, device,
+                                                 config.memory_limit_bytes));
+      }
+      lanes.push_back(std::move(lane));
+    }
+  }
+  const int lane_count = static_cast<int>(lanes.size());
+
+  std::vector<std::unique_ptr<attn::Engine>> probes;
+  for (attn::EngineKind kind : kinds) {
+    attn::EngineOptions options;
+    options.device = lane_devices.front();
+    options.num_threads = 1;
+    ATTN_ASSIGN_OR_RETURN(std::unique_ptr<attn::Engine> probe, attn::CreateEngine(kind, options));
+    probes.push_back(std::move(probe));
+  }
+
+  Batcher::Options batch_options;
+  batch_options.max_batch_tokens = config.max_batch_tokens;
+  batch_options.max_batch_requests = config.max_batch_requests;
+  batch_options.max_queue_delay = config.max_queue_delay;
+  batch_options.queue_capacity = config.queue_capacity;
+  batch_options.memory_limit_bytes = config.memory_limit_bytes;
+  self->batcher_ = std::make_unique<Batcher>(batch_options, std::move(lanes), &self->metrics_);
+
+  AttentionService::Options service_options;
+  service_options.auth_token = config.auth_token;
+  service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
+  self->service_ = std::make_unique<AttentionService>(
+      service_options, std::move(probes), self->batcher_.get(), &self->metrics_,
+      DescribeServer(config, kinds, lane_count));
+
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  if (!config.tls_cert_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(std::string cert, ReadFile(config.tls_cert_file, "tls_cert_file"));
+    ATTN_ASSIGN_OR_RETURN(std::string key, ReadFile(config.tls_key_file, "tls_key_file"));
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({key, cert});
+    credentials = grpc::SslServerCredentials(ssl);
+  } else {
+    credentials = grpc::InsecureServerCredentials();
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, credentials, &self->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.RegisterService(self->service_.get());
+  self->server_ = builder.BuildAndStart();
+  if (self->server_ == nullptr || self->port_ == 0) {
+    self->batcher_->Stop();
+    return absl::UnavailableError(
+        absl::StrCat("--listen=", config.listen, ": cannot listen there"));
+  }
+  grpc::HealthCheckServiceInterface* health = self->server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+
+  if (!config.port_file.empty()) {
+    const std::string tmp = config.port_file + ".tmp";
+    {
+      std::ofstream out(tmp);
+      out << self->port_ << "\n";
+    }
+    if (std::rename(tmp.c_str(), config.port_file.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("--port_file: cannot write '", config.port_file,
+                                              "'"));
+    }
+  }
+  std::string engines;
+  for (attn::EngineKind kind : kinds) absl::StrAppend(&engines, " ", std::string(attn::EngineKindName(kind)));
+  ATTN_LOG(kInfo) << "attnserve " << kVersion << " listening on port " << self->port_
+                  << " (engines:" << engines << "; lanes: " << lane_count
+                  << (config.tls_cert_file.empty() ? "; plaintext" : "; TLS")
+                  << (config.auth_token.empty() ? "" : "; bearer token required") << ")";
+  return self;
+}
+
+Server::~Server() { Drain(); }
+
+void Server::Drain() {
+  if (drained_) return;
+  drained_ = true;
+  if (server_ == nullptr) {  // Start failed half-way
+    if (batcher_ != nullptr) batcher_->Stop();
+    return;
+  }
+  ATTN_LOG(kInfo) << "draining: NOT_SERVING, refusing new calls, up to "
+                  << absl::FormatDuration(config_.drain_timeout) << " for accepted calls";
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  service_->StartDraining();
+  // Waits for the calls in progress; at the deadline the rest are cancelled. The batcher keeps
+  // running meanwhile, so accepted requests complete (or are dropped quickly once cancelled).
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + config_.drain_timeout));
+  batcher_->Stop();
+  server_->Wait();
+  const v1::Stats stats = metrics_.Snapshot();
+  ATTN_LOG(kInfo) << "drained: " << stats.requests_completed() << " completed, "
+                  << stats.requests_failed() << " failed, " << stats.requests_rejected()
+                  << " rejected, " << stats.batches() << " batches";
+}
+
+}  // namespace attnserve
