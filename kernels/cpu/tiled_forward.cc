@@ -1,0 +1,159 @@
+// Forward pass of the CPU tiled engine: IO-aware tiling with online softmax.
+//
+// Work items are (query block, query head) pairs, handed out dynamically by the thread pool.
+// Each item converts its kBlockQ rows of Q to float once, then streams the K/V tiles that any of
+// its rows can see (tiles fully hidden by the causal/window mask are skipped). Row state lives in
+// float scratch of block size only: the running max m, the running sum l and the unnormalised
+// output acc. Per tile:
+//   S = scale * Q K^T (visible columns only),  m_new = max(m, rowmax(S)),
+//   alpha = exp(m - m_new),  P = exp(S - m_new),
+//   acc = acc * alpha + P V,  l = l * alpha + rowsum(P),  m = m_new.
+// At the end O = acc / l and LSE = m + log(l). No query-length x key-length buffer exists.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/float_rows.h"
+#include "cpu/tile_config.h"
+#include "cpu/tiled_kernels.h"
+#include "cpu/vec_math.h"
+
+namespace attn::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One worker's float32 scratch; sizes depend only on the block sizes and head_dim.
+struct ForwardScratch {
+  explicit ForwardScratch(int d)
+      : q(kBlockQ * d),
+        kt(d * kBlockK),
+        v(kBlockK * d),
+        acc(kBlockQ * d),
+        s(kBlockK),
+        m(kBlockQ),
+        l(kBlockQ),
+        row(d),
+        key_begin(kBlockQ),
+        key_end(kBlockQ),
+        col_begin(kBlockQ),
+        col_end(kBlockQ) {}
+  std::vector<float> q;    // [kBlockQ][d]
+  std::vector<float> kt;   // K tile transposed, [d][kBlockK]
+  std::vector<float> v;    // [kBlockK][d]
+  std::vector<float> acc;  // [kBlockQ][d]
+  std::vector<float> s;    // one row of S, then of P, [kBlockK]
+  std::vector<float> m, l;
+  std::vector<float> row;                   // staging for one converted K row
+  std::vector<int64_t> key_begin, key_end;  // each row's visible keys in the sequence
+  std::vector<int> col_begin, col_end;      // the same, relative to the current tile
+};
+
+// One K/V tile against the Q block: the online-softmax update of m, l and acc for every row
+// whose visible keys meet this tile ([col_begin[i], col_end[i]) of the tile's columns).
+ATTN_CPU_CLONES void ForwardTile(int rows, int d, float scale, const float* __restrict q,
+                                 const float* __restrict kt, const float* __restrict v,
+                                 const int* col_begin, const int* col_end, float* __restrict m,
+                                 float* __restrict l, float* __restrict acc, float* __restrict s) {
+  for (int i = 0; i < rows; ++i) {
+    const int jb = col_begin[i], je = col_end[i];
+    if (jb >= je) continue;
+    const float* qi = q + static_cast<int64_t>(i) * d;
+    for (int j = jb; j < je; ++j) s[j] = 0.f;
+    for (int c = 0; c < d; ++c) {
+      const float qc = qi[c];
+      const float* ktc = kt + static_cast<int64_t>(c) * kBlockK;
+      for (int j = jb; j < je; ++j) s[j] += qc * ktc[j];
+    }
+    float row_max = kNegInf;
+    for (int j = jb; j < je; ++j) {
+      s[j] *= scale;
+      row_max = s[j] > row_max ? s[j] : row_max;  // NaN scores skip the max but poison P
+    }
+    const float m_new = m[i] > row_max ? m[i] : row_max;
+    // Only infinite scores make m_new = -inf; subtracting 0 then keeps exp() away from -inf+inf.
+    const float base = m_new == kNegInf ? 0.f : m_new;
+    const float alpha = ExpFloat(m[i] - base);
+    for (int j = jb; j < je; ++j) s[j] = ExpFloat(s[j] - base);  // P
+    float row_sum = 0.f;
+    for (int j = jb; j < je; ++j) row_sum += s[j];
+    float* acc_i = acc + static_cast<int64_t>(i) * d;
+    for (int c = 0; c < d; ++c) acc_i[c] *= alpha;
+    for (int j = jb; j < je; ++j) {
+      const float pj = s[j];
+      const float* vj = v + static_cast<int64_t>(j) * d;
+      for (int c = 0; c < d; ++c) acc_i[c] += pj * vj[c];
+    }
+    l[i] = l[i] * alpha + row_sum;
+    m[i] = m_new;
+  }
+}
+
+void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBlock& blk, int h,
+                  ForwardScratch& sc) {
+  const int d = p.head_dim;
+  const int kvh = h / p.group_size();
+  const int64_t q_start = p.cu_seqlens_q[blk.b] + blk.row0;
+  const int64_t k_start = p.cu_seqlens_k[blk.b];
+  const int64_t lk = p.seqlen_k(blk.b);
+  const float scale = p.scale();
+
+  int64_t first_key = lk, last_key = 0;  // union of the rows' visible keys
+  for (int i = 0; i < blk.rows; ++i) {
+    const KeyRange r = p.visible_keys(blk.b, blk.row0 + i);
+    sc.key_begin[i] = r.begin;
+    sc.key_end[i] = std::max(r.begin, r.end);
+    if (r.end > r.begin) {
+      first_key = std::min(first_key, r.begin);
+      last_key = std::max(last_key, r.end);
+    }
+    LoadRow(a.q.data, p.dtype, a.q.offset(q_start + i, h), d, &sc.q[i * d]);
+    sc.m[i] = kNegInf;
+    sc.l[i] = 0.f;
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + blk.rows * d, 0.f);
+
+  for (int64_t k0 = first_key / kBlockK * kBlockK; k0 < last_key; k0 += kBlockK) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBlockK, lk - k0));
+    for (int j = 0; j < cols; ++j) {
+      LoadRow(a.k.data, p.dtype, a.k.offset(k_start + k0 + j, kvh), d, sc.row.data());
+      for (int c = 0; c < d; ++c) sc.kt[c * kBlockK + j] = sc.row[c];
+      LoadRow(a.v.data, p.dtype, a.v.offset(k_start + k0 + j, kvh), d, &sc.v[j * d]);
+    }
+    for (int i = 0; i < blk.rows; ++i) {
+      sc.col_begin[i] = static_cast<int>(std::clamp<int64_t>(sc.key_begin[i] - k0, 0, cols));
+      sc.col_end[i] = static_cast<int>(std::clamp<int64_t>(sc.key_end[i] - k0, 0, cols));
+    }
+    ForwardTile(blk.rows, d, scale, sc.q.data(), sc.kt.data(), sc.v.data(), sc.col_begin.data(),
+                sc.col_end.data(), sc.m.data(), sc.l.data(), sc.acc.data(), sc.s.data());
+  }
+
+  const int64_t total_q = p.total_q();
+  for (int i = 0; i < blk.rows; ++i) {
+    const int64_t out = a.o.offset(q_start + i, h);
+    float lse = kNegInf;
+    if (sc.key_end[i] > sc.key_begin[i]) {
+      float* acc_i = &sc.acc[i * d];
+      for (int c = 0; c < d; ++c) acc_i[c] = acc_i[c] / sc.l[i];  // O = acc / l
+      StoreRow(a.o.data, p.dtype, out, d, acc_i);
+      lse = sc.m[i] + std::log(sc.l[i]);
+    } else {
+      StoreZeroRow(a.o.data, p.dtype, out, d);
+    }
+    if (a.lse != nullptr) a.lse[h * total_q + q_start + i] = lse;
+  }
+}
+
+}  // namespace
+
+void TiledForward(const AttentionProblem& p, const ForwardArgs& a, ThreadPool& pool) {
+  const std::vector<RowBlock> blocks = SplitRows(p.cu_seqlens_q, kBlockQ);
+  std::vector<ForwardScratch> scratch(pool.num_workers(), ForwardScratch(p.head_dim));
+  const int heads = p.num_heads;
+  pool.ParallelFor(static_cast<int64_t>(blocks.size()) * heads, [&](int worker, int64_t item) {
+    ForwardBlock(p, a, blocks[item / heads], static_cast<int>(item % heads), scratch[worker]);
+  });
+}
+
+}  // namespace attn::cpu
