@@ -1,0 +1,136 @@
+// The CUDA engines against the float64 reference over the standard sweep, under the accuracy
+// rule of common/accuracy.h. Outputs (O, its padding, and the LSE) are poisoned before each call
+// and checked fully written. Every test skips when there is no CUDA device.
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "attn/engine.h"
+#include "common/accuracy.h"
+#include "common/host_tensor.h"
+#include "common/naive_attention.h"
+#include "common/reference.h"
+#include "common/sweep.h"
+#include "cuda/common/dispatch.h"
+#include "cuda/fused/fused_forward.h"
+#include "cuda_test_util.h"
+#include "gtest/gtest.h"
+
+namespace attn::testing {
+namespace {
+
+// The fused kernel must cover these; a Supports that rejects them is a bug, not a skip.
+bool FusedMustSupport(const AttentionProblem& p) {
+  return (p.dtype == DType::kF16 || p.dtype == DType::kBF16) &&
+         (p.head_dim == 64 || p.head_dim == 128);
+}
+
+class CudaSweepTest : public ::testing::TestWithParam<SweepCase> {
+ protected:
+  void SetUp() override {
+    ATTN_SKIP_WITHOUT_CUDA();
+    seed_ = FreshSeed();
+    trace_ = absl::StrCat("seed=", seed_, " (replay with ATTN_TEST_SEED) ",
+                          GetParam().problem.DebugString());
+  }
+
+  // Runs `engine` on t (on a stream of its own) and checks O and the LSE against the reference.
+  void RunAndCheck(Engine& engine, const AttentionProblem& p, AttentionTensors& t) {
+    auto ref = RunReference(p, t, /*backward=*/false);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    t.PoisonOutputs();
+    auto device = DeviceForward::Upload(t);
+    ASSERT_TRUE(device.ok()) << device.status();
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    const absl::Status run = engine.Forward(p, device->args(stream));
+    const absl::Status download = device->Download(t);
+    cudaStreamDestroy(stream);
+    ASSERT_TRUE(run.ok()) << run;
+    ASSERT_TRUE(download.ok()) << download;
+
+    EXPECT_EQ(t.o.CountPoisoned(), 0) << "O elements never written";
+    EXPECT_EQ(t.o.CountPaddingWritten(), 0) << "O padding overwritten";
+    EXPECT_EQ(CountPoisonedFloats(t.lse), 0) << "LSE elements never written";
+    NaiveForwardResult naive;
+    if (p.dtype != DType::kF32) naive = NaiveForward(p, t.q, t.k, t.v);
+    const absl::Status o_ok = CheckAccuracy("O", p.dtype, t.o.ToDouble(), ref->o, &naive.o);
+    EXPECT_TRUE(o_ok.ok()) << o_ok.message();
+    const absl::Status lse_ok = CheckLse(t.lse, ref->lse);
+    EXPECT_TRUE(lse_ok.ok()) << lse_ok.message();
+  }
+
+  uint64_t seed_ = 0;
+  std::string trace_;
+};
+
+TEST_P(CudaSweepTest, NaiveForwardMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  auto naive = MustCreate(EngineKind::kCudaNaive);
+  ASSERT_NE(naive, nullptr);
+  ASSERT_TRUE(naive->SupportsForward(c.problem).ok()) << naive->SupportsForward(c.problem);
+  AttentionTensors t = AttentionTensors::Make(c.problem, seed_, c.padded);
+  RunAndCheck(*naive, c.problem, t);
+  // Again on the warmed engine (its workspace is reused) with fresh inputs.
+  AttentionTensors again = AttentionTensors::Make(c.problem, seed_ + 1, c.padded);
+  RunAndCheck(*naive, c.problem, again);
+}
+
+TEST_P(CudaSweepTest, FusedForwardMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  const AttentionProblem& p = c.problem;
+  const absl::Status supported = cuda::FusedForwardSupports(p);
+  if (FusedMustSupport(p)) {
+    ASSERT_TRUE(supported.ok()) << "the fused kernel must cover fp16/bf16 with head_dim 64/128: "
+                                << supported;
+  } else if (!supported.ok()) {
+    GTEST_SKIP() << "fused kernel does not cover this problem: " << supported.message();
+  }
+  auto fused = MustCreate(EngineKind::kCudaFused);
+  ASSERT_NE(fused, nullptr);
+  AttentionTensors t = AttentionTensors::Make(p, seed_, c.padded);
+  // Padded strides are not 16-byte multiples; the fused kernel then runs on packed tensors.
+  if (c.padded) t = AttentionTensors::Make(p, seed_, /*padded=*/false);
+  RunAndCheck(*fused, p, t);
+}
+
+TEST_P(CudaSweepTest, DispatcherAutoMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  const AttentionProblem& p = c.problem;
+  auto dispatcher = cuda::Dispatcher::Create();
+  ASSERT_TRUE(dispatcher.ok()) << dispatcher.status();
+  AttentionTensors t = AttentionTensors::Make(p, seed_, c.padded);
+  auto ref = RunReference(p, t, /*backward=*/false);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  t.PoisonOutputs();
+  auto device = DeviceForward::Upload(t);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto decision = (*dispatcher)->Forward(p, device->args(), cuda::PathPreference::kAuto);
+  ASSERT_TRUE(decision.ok()) << decision.status();
+  ASSERT_TRUE(device->Download(t).ok());
+  const bool fused_expected =
+      cuda::FusedForwardSupports(p).ok() && cuda::CheckFusedAlignment(p, device->args()).ok();
+  EXPECT_EQ(decision->path, fused_expected ? EngineKind::kCudaFused : EngineKind::kCudaNaive)
+      << decision->reason;
+  EXPECT_FALSE(decision->reason.empty());
+  EXPECT_EQ(t.o.CountPoisoned(), 0);
+  NaiveForwardResult naive;
+  if (p.dtype != DType::kF32) naive = NaiveForward(p, t.q, t.k, t.v);
+  const absl::Status o_ok = CheckAccuracy("O", p.dtype, t.o.ToDouble(), ref->o, &naive.o);
+  EXPECT_TRUE(o_ok.ok()) << o_ok.message() << " (path " << EngineKindName(decision->path) << ")";
+  const absl::Status lse_ok = CheckLse(t.lse, ref->lse);
+  EXPECT_TRUE(lse_ok.ok()) << lse_ok.message();
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, CudaSweepTest, ::testing::ValuesIn(StandardSweep()),
+                         [](const ::testing::TestParamInfo<SweepCase>& info) {
+                           return info.param.name;
+                         });
+
+}  // namespace
+}  // namespace attn::testing

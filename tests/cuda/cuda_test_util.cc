@@ -1,0 +1,77 @@
+#include "cuda_test_util.h"
+
+#include <cuda_runtime_api.h>
+
+#include "attn/status_macros.h"
+#include "cuda/common/cuda_status.h"
+#include "gtest/gtest.h"
+
+namespace attn::testing {
+namespace {
+
+absl::StatusOr<cuda::DeviceBuffer> UploadBytes(const void* data, size_t bytes) {
+  ATTN_ASSIGN_OR_RETURN(cuda::DeviceBuffer buffer, cuda::DeviceBuffer::Allocate(bytes));
+  if (bytes > 0) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpy(buffer.get(), data, bytes, cudaMemcpyHostToDevice));
+  }
+  return buffer;
+}
+
+template <typename Ref>
+Ref Rebase(Ref host_view, void* device_base) {
+  return {static_cast<decltype(host_view.data)>(device_base), host_view.token_stride,
+          host_view.head_stride};
+}
+
+}  // namespace
+
+std::string NoDeviceReason() {
+  const absl::StatusOr<int> devices = cuda::CountDevices();
+  return devices.ok() ? std::string() : std::string(devices.status().message());
+}
+
+absl::StatusOr<DeviceForward> DeviceForward::Upload(const AttentionTensors& t) {
+  DeviceForward d;
+  ATTN_ASSIGN_OR_RETURN(d.q_, UploadBytes(t.q.data(), t.q.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.k_, UploadBytes(t.k.data(), t.k.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.v_, UploadBytes(t.v.data(), t.v.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.o_, UploadBytes(t.o.data(), t.o.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.lse_, UploadBytes(t.lse.data(), t.lse.size() * sizeof(float)));
+  d.q_ref_ = Rebase(t.q.ref(), d.q_.get());
+  d.k_ref_ = Rebase(t.k.ref(), d.k_.get());
+  d.v_ref_ = Rebase(t.v.ref(), d.v_.get());
+  d.o_ref_ = {d.o_.get(), t.o.token_stride(), t.o.head_stride()};
+  return d;
+}
+
+ForwardArgs DeviceForward::args(void* stream, bool with_lse) {
+  ForwardArgs a;
+  a.q = q_ref_;
+  a.k = k_ref_;
+  a.v = v_ref_;
+  a.o = o_ref_;
+  a.lse = with_lse ? lse_.as<float>() : nullptr;
+  a.stream = stream;
+  return a;
+}
+
+absl::Status DeviceForward::Download(AttentionTensors& t) const {
+  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (o_.size() > 0) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpy(t.o.data(), o_.get(), o_.size(), cudaMemcpyDeviceToHost));
+  }
+  if (lse_.size() > 0) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(t.lse.data(), lse_.get(), lse_.size(), cudaMemcpyDeviceToHost));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Engine> MustCreate(EngineKind kind, const EngineOptions& options) {
+  auto engine = CreateEngine(kind, options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+}  // namespace attn::testing

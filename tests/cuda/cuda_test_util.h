@@ -1,0 +1,47 @@
+// Helpers of the CUDA test suites: skipping cleanly without a device, and mirroring the host
+// test tensors of common/host_tensor.h in device memory around an engine call.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "attn/engine.h"
+#include "common/host_tensor.h"
+#include "cuda/common/device_buffer.h"
+
+namespace attn::testing {
+
+// Empty when a CUDA device is usable; otherwise why not (for GTEST_SKIP).
+std::string NoDeviceReason();
+
+#define ATTN_SKIP_WITHOUT_CUDA()                                                         \
+  do {                                                                                   \
+    if (const std::string reason = ::attn::testing::NoDeviceReason(); !reason.empty()) { \
+      GTEST_SKIP() << "no CUDA device, skipping: " << reason;                            \
+    }                                                                                    \
+  } while (0)
+
+// Device copies of the forward tensors of an AttentionTensors: whole allocations (padding
+// included, so writes outside the views show up), same strides.
+class DeviceForward {
+ public:
+  // Uploads q, k, v and the current contents of o and lse (poison them first).
+  static absl::StatusOr<DeviceForward> Upload(const AttentionTensors& t);
+
+  // Arguments for a device engine; `stream` is passed through.
+  ForwardArgs args(void* stream = nullptr, bool with_lse = true);
+
+  // Waits for the device, then copies o and lse back into t.
+  absl::Status Download(AttentionTensors& t) const;
+
+ private:
+  cuda::DeviceBuffer q_, k_, v_, o_, lse_;
+  TensorRef q_ref_, k_ref_, v_ref_;
+  MutableTensorRef o_ref_;
+};
+
+// An engine of `kind` with `options`; null (and a test failure) when it cannot be made.
+std::unique_ptr<Engine> MustCreate(EngineKind kind, const EngineOptions& options = {});
+
+}  // namespace attn::testing
