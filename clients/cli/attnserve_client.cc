@@ -1,0 +1,266 @@
+// attnserve_client: the command-line client of the attnserve server.
+//
+//   attnserve_client info   [--target=host:port] [--json]
+//   attnserve_client health [--service=attnserve.v1.AttentionService]
+//   attnserve_client attend [shape flags] [--check] [--count=N] [--json]
+//   attnserve_client bench  [shape flags] [--concurrency=1,4,16] [--rates=100,200]
+//                           [--duration=5s] [--json]
+//
+// Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "clients/cli/channel_factory.h"
+#include "clients/cli/load_generator.h"
+#include "clients/cli/reference_check.h"
+#include "clients/cli/request_factory.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address");
+ABSL_FLAG(std::string, tls_ca_file, "", "Use TLS, trusting this PEM CA certificate");
+ABSL_FLAG(std::string, tls_server_name, "", "Name to check the server certificate against");
+ABSL_FLAG(std::string, auth_token, "", "Bearer token to send");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call");
+ABSL_FLAG(bool, json, false, "Print JSON");
+ABSL_FLAG(std::string, service, "", "health: the service to ask about (empty = the server)");
+
+ABSL_FLAG(std::string, dtype, "float32", "float32, float16 or bfloat16");
+ABSL_FLAG(int, batch, 1, "Sequences per request");
+ABSL_FLAG(int64_t, seqlen_q, 128, "Query tokens per sequence (varlen: the maximum)");
+ABSL_FLAG(int64_t, seqlen_k, 128, "Key tokens per sequence (varlen: the maximum)");
+ABSL_FLAG(int, heads, 8, "Query heads");
+ABSL_FLAG(int, kv_heads, 0, "Key/value heads (0 = --heads)");
+ABSL_FLAG(int, head_dim, 64, "Head dimension");
+ABSL_FLAG(bool, causal, false, "Causal mask");
+ABSL_FLAG(bool, varlen, false, "Variable-length layout with random sequence lengths");
+ABSL_FLAG(bool, lse, false, "Ask for the log-sum-exp");
+ABSL_FLAG(std::string, path, "auto", "auto, fused, naive or cpu");
+ABSL_FLAG(uint64_t, seed, 1, "Random seed of the tensors");
+
+ABSL_FLAG(bool, check, false, "attend: check O (and LSE) against the local CPU reference");
+ABSL_FLAG(int, count, 1, "attend: requests to send, one after another, fresh tensors each");
+
+ABSL_FLAG(std::vector<std::string>, concurrency, std::vector<std::string>({"1", "4", "16"}),
+          "bench: closed-loop concurrency levels");
+ABSL_FLAG(std::vector<std::string>, rates, {}, "bench: open-loop request rates (requests/s)");
+ABSL_FLAG(absl::Duration, duration, absl::Seconds(5), "bench: time per level");
+ABSL_FLAG(int, pool, 8, "bench: distinct requests to cycle through");
+
+namespace {
+
+using attnserve::client::ChannelFactory;
+using attnserve::client::ChannelOptions;
+namespace v1 = attnserve::v1;
+
+int Usage(const std::string& message) {
+  std::fprintf(stderr, "%s\nRun with --help for the flags.\n", message.c_str());
+  return 2;
+}
+
+int RpcFailed(const char* what, const grpc::Status& status) {
+  std::fprintf(stderr, "%s failed: %s: %s\n", what,
+               attnserve::client::StatusCodeName(status.error_code()).c_str(),
+               status.error_message().c_str());
+  return 1;
+}
+
+bool ShapeFromFlags(attnserve::client::ShapeSpec* s, std::string* error) {
+  absl::StatusOr<attn::DType> dtype = attn::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) {
+    *error = std::string(dtype.status().message());
+    return false;
+  }
+  s->dtype = *dtype;
+  s->batch = absl::GetFlag(FLAGS_batch);
+  s->seqlen_q = absl::GetFlag(FLAGS_seqlen_q);
+  s->seqlen_k = absl::GetFlag(FLAGS_seqlen_k);
+  s->num_heads = absl::GetFlag(FLAGS_heads);
+  s->num_kv_heads = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : s->num_heads;
+  s->head_dim = absl::GetFlag(FLAGS_head_dim);
+  s->causal = absl::GetFlag(FLAGS_causal);
+  s->varlen = absl::GetFlag(FLAGS_varlen);
+  s->return_lse = absl::GetFlag(FLAGS_lse);
+  const std::string path = absl::GetFlag(FLAGS_path);
+  if (path == "auto") {
+    s->path = v1::PATH_AUTO;
+  } else if (path == "fused") {
+    s->path = v1::PATH_FUSED;
+  } else if (path == "naive") {
+    s->path = v1::PATH_NAIVE;
+  } else if (path == "cpu") {
+    s->path = v1::PATH_CPU;
+  } else {
+    *error = absl::StrCat("--path: unknown '", path, "'");
+    return false;
+  }
+  if (s->batch < 1 || s->seqlen_q < 1 || s->seqlen_k < 0 || s->num_heads < 1 ||
+      s->num_kv_heads < 1 || s->head_dim < 1) {
+    *error = "shape flags: batch, seqlen_q, heads, kv_heads, head_dim must be >= 1";
+    return false;
+  }
+  return true;
+}
+
+int Info(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
+  auto stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext context;
+  factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
+  v1::ServerInfo info;
+  const grpc::Status status = stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  if (!status.ok()) return RpcFailed("GetServerInfo", status);
+  std::string out;
+  if (absl::GetFlag(FLAGS_json)) {
+    google::protobuf::util::JsonPrintOptions options;
+    options.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(info, &out, options);
+    out += "\n";
+  } else {
+    out = info.DebugString();
+  }
+  std::fputs(out.c_str(), stdout);
+  return 0;
+}
+
+int Health(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(absl::GetFlag(FLAGS_service));
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  if (!status.ok()) return RpcFailed("Health.Check", status);
+  std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())
+                          .c_str());
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
+  attnserve::client::ShapeSpec spec;
+  std::string error;
+  if (!ShapeFromFlags(&spec, &error)) return Usage(error);
+  auto stub = v1::AttentionService::NewStub(channel);
+  int failures = 0;
+  for (int i = 0; i < absl::GetFlag(FLAGS_count); ++i) {
+    const v1::AttendRequest request = attnserve::client::MakeRandomRequest(
+        spec, absl::GetFlag(FLAGS_seed) + i, absl::StrCat("cli-", i));
+    grpc::ClientContext context;
+    factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
+    v1::AttendResponse response;
+    const absl::Time t0 = absl::Now();
+    const grpc::Status status = stub->Attend(&context, request, &response);
+    const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    if (!status.ok()) return RpcFailed("Attend", status);
+    std::string check = "unchecked";
+    double max_err = -1;
+    if (absl::GetFlag(FLAGS_check)) {
+      absl::StatusOr<attnserve::client::CheckResult> r =
+          attnserve::client::CheckAgainstReference(request, response);
+      if (r.ok()) {
+        check = "ok";
+        max_err = r->max_abs_error;
+      } else {
+        check = absl::StrCat("MISMATCH: ", r.status().message());
+        ++failures;
+      }
+    }
+    if (absl::GetFlag(FLAGS_json)) {
+      std::printf(
+          "{\"request_id\": \"%s\", \"engine\": \"%s\", \"latency_ms\": %.3f, \"queue_us\": %lld, "
+          "\"compute_us\": %lld, \"batch_requests\": %d, \"check\": \"%s\", \"max_abs_error\": "
+          "%g}\n",
+          response.request_id().c_str(), response.engine().c_str(), ms,
+          static_cast<long long>(response.timing().queue_us()),
+          static_cast<long long>(response.timing().compute_us()), response.batch().requests(),
+          check.c_str(), max_err);
+    } else {
+      std::printf("%s: engine %s, %.2f ms (queue %lld us, compute %lld us), batch of %d, o %s, "
+                  "check %s%s\n",
+                  response.request_id().c_str(), response.engine().c_str(), ms,
+                  static_cast<long long>(response.timing().queue_us()),
+                  static_cast<long long>(response.timing().compute_us()),
+                  response.batch().requests(),
+                  absl::StrJoin(response.o().shape(), "x").c_str(), check.c_str(),
+                  max_err >= 0 ? absl::StrFormat(" (max abs error %.3g)", max_err).c_str() : "");
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
+  attnserve::client::ShapeSpec spec;
+  std::string error;
+  if (!ShapeFromFlags(&spec, &error)) return Usage(error);
+  std::vector<v1::AttendRequest> pool;
+  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_pool)); ++i) {
+    pool.push_back(attnserve::client::MakeRandomRequest(spec, absl::GetFlag(FLAGS_seed) + i,
+                                                        absl::StrCat("bench-", i)));
+  }
+  attnserve::client::LoadGenerator generator(&factory, channel, std::move(pool),
+                                             absl::GetFlag(FLAGS_timeout));
+  std::vector<attnserve::client::LoadResult> results;
+  const bool json = absl::GetFlag(FLAGS_json);
+  for (const std::string& level : absl::GetFlag(FLAGS_concurrency)) {
+    int n = 0;
+    if (!absl::SimpleAtoi(level, &n) || n < 1) return Usage("--concurrency: positive integers");
+    results.push_back(generator.RunClosedLoop(n, absl::GetFlag(FLAGS_duration)));
+    if (!json) std::printf("%s\n", results.back().ToText().c_str());
+  }
+  for (const std::string& level : absl::GetFlag(FLAGS_rates)) {
+    double rate = 0;
+    if (!absl::SimpleAtod(level, &rate) || rate <= 0) return Usage("--rates: positive numbers");
+    results.push_back(generator.RunOpenLoop(rate, absl::GetFlag(FLAGS_duration)));
+    if (!json) std::printf("%s\n", results.back().ToText().c_str());
+  }
+  if (json) {
+    std::vector<std::string> items;
+    for (const auto& r : results) items.push_back(r.ToJson());
+    std::printf("[\n  %s\n]\n", absl::StrJoin(items, ",\n  ").c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "attnserve_client.cc");
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "attnserve_client {info|health|attend|bench} [flags]: talk to an attnserve server.");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) return Usage("expected one command: info, health, attend or bench");
+  const std::string command = args[1];
+
+  ChannelOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  options.auth_token = absl::GetFlag(FLAGS_auth_token);
+  const ChannelFactory factory(options);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = factory.Connect();
+  if (!channel.ok()) return Usage(std::string(channel.status().message()));
+
+  if (command == "info") return Info(factory, *channel);
+  if (command == "health") return Health(factory, *channel);
+  if (command == "attend") return Attend(factory, *channel);
+  if (command == "bench") return Bench(factory, *channel);
+  return Usage(absl::StrCat("unknown command '", command, "'"));
+}

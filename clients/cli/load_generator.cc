@@ -1,0 +1,185 @@
+#include "clients/cli/load_generator.h"
+
+#include <algorithm>
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/request_decoder.h"
+
+namespace attnserve::client {
+namespace {
+
+double Percentile(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(q * (sorted.size() - 1) + 0.5));
+  return sorted[i];
+}
+
+}  // namespace
+
+std::string StatusCodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",         "UNKNOWN",       "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i <= 16 ? kNames[i] : absl::StrCat("CODE_", i);
+}
+
+LoadGenerator::LoadGenerator(const ChannelFactory* factory, std::shared_ptr<grpc::Channel> channel,
+                             std::vector<v1::AttendRequest> pool, absl::Duration timeout)
+    : factory_(factory),
+      stub_(v1::AttentionService::NewStub(channel)),
+      pool_(std::move(pool)),
+      timeout_(timeout) {
+  DecodeLimits limits;
+  limits.memory_limit_bytes = int64_t{1} << 40;
+  for (const v1::AttendRequest& r : pool_) {
+    absl::StatusOr<DecodedRequest> d = DecodeAttendRequest(r, limits);
+    flops_.push_back(d.ok() ? d->problem.forward_flops() : 0.0);
+    tokens_.push_back(d.ok() ? d->tokens() : 0);
+  }
+}
+
+LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration) {
+  absl::Mutex mu;
+  std::vector<Sample> samples;
+  std::map<std::string, int64_t> errors;
+  const absl::Time start = absl::Now();
+  const absl::Time stop = start + duration;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < concurrency; ++c) {
+    clients.emplace_back([&, c] {
+      size_t next = static_cast<size_t>(c) % pool_.size();
+      while (absl::Now() < stop) {
+        grpc::ClientContext context;
+        factory_->Prepare(&context, timeout_);
+        v1::AttendResponse response;
+        const absl::Time t0 = absl::Now();
+        const grpc::Status status = stub_->Attend(&context, pool_[next], &response);
+        const absl::Duration latency = absl::Now() - t0;
+        absl::MutexLock lock(&mu);
+        if (status.ok()) {
+          samples.push_back({latency, next, response.batch().requests()});
+        } else {
+          ++errors[StatusCodeName(status.error_code())];
+        }
+        next = (next + 1) % pool_.size();
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  return Summarize("closed", concurrency, absl::Now() - start, std::move(samples), errors);
+}
+
+LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration duration) {
+  struct Call {
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    absl::Time sent;
+    size_t request;
+  };
+  absl::Mutex mu;
+  std::vector<Sample> samples;
+  std::map<std::string, int64_t> errors;
+  int outstanding = 0;
+  std::mt19937_64 rng(12345);
+  std::exponential_distribution<double> gap(requests_per_s);
+  const absl::Time start = absl::Now();
+  const absl::Time stop = start + duration;
+  absl::Time next_send = start;
+  size_t next = 0;
+  while (next_send < stop) {
+    absl::SleepFor(next_send - absl::Now());
+    auto* call = new Call;
+    call->request = next;
+    call->sent = absl::Now();
+    factory_->Prepare(&call->context, timeout_);
+    {
+      absl::MutexLock lock(&mu);
+      ++outstanding;
+    }
+    stub_->async()->Attend(&call->context, &pool_[next], &call->response,
+                           [&, call](grpc::Status status) {
+                             const absl::Duration latency = absl::Now() - call->sent;
+                             absl::MutexLock lock(&mu);
+                             if (status.ok()) {
+                               samples.push_back(
+                                   {latency, call->request, call->response.batch().requests()});
+                             } else {
+                               ++errors[StatusCodeName(status.error_code())];
+                             }
+                             --outstanding;
+                             delete call;
+                           });
+    next = (next + 1) % pool_.size();
+    next_send += absl::Seconds(gap(rng));
+  }
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](int* n) { return *n == 0; }, &outstanding));
+  }
+  return Summarize("open", requests_per_s, absl::Now() - start, std::move(samples), errors);
+}
+
+LoadResult LoadGenerator::Summarize(const std::string& mode, double level,
+                                    absl::Duration elapsed, std::vector<Sample> samples,
+                                    const std::map<std::string, int64_t>& errors) const {
+  LoadResult r;
+  r.mode = mode;
+  r.level = level;
+  r.seconds = absl::ToDoubleSeconds(elapsed);
+  r.ok = static_cast<int64_t>(samples.size());
+  r.errors = errors;
+  std::vector<double> ms;
+  double flops = 0, tokens = 0, batch = 0;
+  for (const Sample& s : samples) {
+    ms.push_back(absl::ToDoubleMilliseconds(s.latency));
+    flops += flops_[s.request];
+    tokens += static_cast<double>(tokens_[s.request]);
+    batch += s.batch_requests;
+  }
+  std::sort(ms.begin(), ms.end());
+  if (r.seconds > 0) {
+    r.requests_per_s = r.ok / r.seconds;
+    r.tokens_per_s = tokens / r.seconds;
+    r.tflops = flops / r.seconds / 1e12;
+  }
+  r.p50_ms = Percentile(ms, 0.50);
+  r.p90_ms = Percentile(ms, 0.90);
+  r.p99_ms = Percentile(ms, 0.99);
+  r.mean_batch_requests = r.ok > 0 ? batch / r.ok : 0;
+  return r;
+}
+
+std::string LoadResult::ToJson() const {
+  std::string errs;
+  for (const auto& [code, n] : errors) {
+    absl::StrAppend(&errs, errs.empty() ? "" : ", ", "\"", code, "\": ", n);
+  }
+  return absl::StrFormat(
+      "{\"mode\": \"%s\", \"level\": %g, \"seconds\": %.3f, \"ok\": %d, \"errors\": {%s}, "
+      "\"requests_per_s\": %.2f, \"tokens_per_s\": %.1f, \"tflops\": %.6f, \"p50_ms\": %.3f, "
+      "\"p90_ms\": %.3f, \"p99_ms\": %.3f, \"mean_batch_requests\": %.2f}",
+      mode, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms,
+      p99_ms, mean_batch_requests);
+}
+
+std::string LoadResult::ToText() const {
+  int64_t failed = 0;
+  for (const auto& [code, n] : errors) failed += n;
+  return absl::StrFormat(
+      "%-6s %8g  %8.1f req/s %10.0f tok/s %9.4f TFLOP/s  p50 %7.2f ms  p90 %7.2f ms  p99 %7.2f "
+      "ms  batch %5.2f  ok %d  errors %d",
+      mode, level, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
+      mean_batch_requests, ok, failed);
+}
+
+}  // namespace attnserve::client

@@ -1,0 +1,65 @@
+// The load generator behind `attnserve_client bench`: closed-loop (N clients, each sending its
+// next request when the last one returns) and open-loop (requests at a fixed mean rate,
+// Poisson arrivals, whatever the latency). Requests are drawn from a pre-built pool so that
+// the generator measures the server, not its own random number generation.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "clients/cli/channel_factory.h"
+
+namespace attnserve::client {
+
+struct LoadResult {
+  std::string mode;  // "closed" or "open"
+  double level = 0;  // concurrency (closed) or offered requests/s (open)
+  double seconds = 0;
+  int64_t ok = 0;
+  std::map<std::string, int64_t> errors;  // by gRPC code name
+  double requests_per_s = 0;
+  double tokens_per_s = 0;  // query + key tokens
+  double tflops = 0;        // forward FLOPs of the visible pairs
+  double p50_ms = 0, p90_ms = 0, p99_ms = 0;
+  double mean_batch_requests = 0;  // as the server reported per response
+
+  std::string ToJson() const;
+  std::string ToText() const;
+};
+
+class LoadGenerator {
+ public:
+  LoadGenerator(const ChannelFactory* factory, std::shared_ptr<grpc::Channel> channel,
+                std::vector<v1::AttendRequest> pool, absl::Duration timeout);
+
+  LoadResult RunClosedLoop(int concurrency, absl::Duration duration);
+  LoadResult RunOpenLoop(double requests_per_s, absl::Duration duration);
+
+ private:
+  struct Sample {
+    absl::Duration latency;
+    size_t request;
+    int batch_requests;
+  };
+  LoadResult Summarize(const std::string& mode, double level, absl::Duration elapsed,
+                       std::vector<Sample> samples,
+                       const std::map<std::string, int64_t>& errors) const;
+
+  const ChannelFactory* factory_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+  std::vector<v1::AttendRequest> pool_;
+  std::vector<double> flops_;
+  std::vector<int64_t> tokens_;
+  absl::Duration timeout_;
+};
+
+std::string StatusCodeName(grpc::StatusCode code);
+
+}  // namespace attnserve::client

@@ -1,0 +1,102 @@
+#include "clients/cli/reference_check.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attn/engine.h"
+#include "attn/status_macros.h"
+#include "attn/tensor.h"
+#include "server/request_decoder.h"
+
+namespace attnserve::client {
+namespace {
+
+// A few units in the last place of the storage type at |O| <= 1 (inputs are in [-1, 1]):
+// the server's engine and the reference both round O once to the dtype.
+double Tolerance(attn::DType dtype) {
+  switch (dtype) {
+    case attn::DType::kF32:
+      return 1e-4;
+    case attn::DType::kF16:
+      return 2e-3;
+    case attn::DType::kBF16:
+      return 1.6e-2;
+  }
+  return 0;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckResult> CheckAgainstReference(const v1::AttendRequest& request,
+                                                  const v1::AttendResponse& response) {
+  DecodeLimits limits;
+  limits.memory_limit_bytes = int64_t{1} << 40;
+  ATTN_ASSIGN_OR_RETURN(DecodedRequest d, DecodeAttendRequest(request, limits));
+  const attn::AttentionProblem& p = d.problem;
+
+  const v1::Tensor& o = response.o();
+  if (o.dtype() != request.q().dtype()) {
+    return absl::FailedPreconditionError("o.dtype: differs from q.dtype");
+  }
+  if (o.shape_size() != request.q().shape_size()) {
+    return absl::FailedPreconditionError("o.shape: rank differs from q");
+  }
+  for (int i = 0; i < o.shape_size(); ++i) {
+    if (o.shape(i) != request.q().shape(i)) {
+      return absl::FailedPreconditionError(absl::StrCat("o.shape[", i, "]: differs from q"));
+    }
+  }
+  if (o.data().size() != request.q().data().size()) {
+    return absl::FailedPreconditionError("o.data: wrong length");
+  }
+
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<attn::Engine> engine,
+                        attn::CreateEngine(attn::EngineKind::kCpuReference));
+  std::vector<char> ref(request.q().data().size());
+  std::vector<float> lse(static_cast<size_t>(p.total_q() * p.num_heads));
+  attn::ForwardArgs args;
+  args.q = attn::Packed<const void*>(d.q, p.num_heads, p.head_dim);
+  args.k = attn::Packed<const void*>(d.k, p.num_kv_heads, p.head_dim);
+  args.v = attn::Packed<const void*>(d.v, p.num_kv_heads, p.head_dim);
+  args.o = attn::Packed<void*>(ref.data(), p.num_heads, p.head_dim);
+  args.lse = lse.data();
+  ATTN_RETURN_IF_ERROR(engine->Forward(p, args));
+
+  CheckResult result;
+  result.tolerance = Tolerance(p.dtype);
+  const int64_t n = p.total_q() * p.num_heads * p.head_dim;
+  for (int64_t i = 0; i < n; ++i) {
+    const double got = attn::LoadAsFloat(o.data().data(), p.dtype, i);
+    const double want = attn::LoadAsFloat(ref.data(), p.dtype, i);
+    const double err = std::isnan(got) ? INFINITY : std::abs(got - want);
+    if (err > result.max_abs_error) result.max_abs_error = err;
+  }
+  if (result.max_abs_error > result.tolerance) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "o: max abs error ", result.max_abs_error, " exceeds ", result.tolerance));
+  }
+  if (response.has_lse()) {
+    const v1::Tensor& l = response.lse();
+    if (l.dtype() != v1::DTYPE_FLOAT32 ||
+        l.data().size() != lse.size() * sizeof(float)) {
+      return absl::FailedPreconditionError("lse: expected float32 [num_heads, total_q]");
+    }
+    for (size_t i = 0; i < lse.size(); ++i) {
+      const float got = attn::LoadAsFloat(l.data().data(), attn::DType::kF32, i);
+      const double err =
+          (std::isinf(got) && std::isinf(lse[i])) ? 0.0 : std::abs(double{got} - lse[i]);
+      if (!(err <= result.max_lse_error)) result.max_lse_error = std::isnan(err) ? INFINITY : err;
+    }
+    if (result.max_lse_error > 1e-3) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("lse: max abs error ", result.max_lse_error, " exceeds 1e-3"));
+    }
+  } else if (request.return_lse()) {
+    return absl::FailedPreconditionError("lse: requested but missing");
+  }
+  return result;
+}
+
+}  // namespace attnserve::client
