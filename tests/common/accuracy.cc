@@ -75,6 +75,17 @@ absl::Status CheckAccuracy(std::string_view what, DType dtype, const std::vector
   return absl::OkStatus();
 }
 
+double FractionCorrectlyRounded(const std::vector<double>& got, const std::vector<double>& ref,
+                                DType dtype) {
+  if (got.empty() || got.size() != ref.size()) return got.size() == ref.size() ? 1.0 : 0.0;
+  int64_t exact = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double rounded = RoundToDType(static_cast<float>(ref[i]), dtype);
+    exact += got[i] == rounded || (std::isnan(got[i]) && std::isnan(ref[i]));
+  }
+  return static_cast<double>(exact) / static_cast<double>(got.size());
+}
+
 absl::Status CheckLse(const std::vector<float>& got, const std::vector<double>& ref) {
   if (got.size() != ref.size()) {
     return absl::InternalError(absl::StrCat("lse: size ", got.size(), " vs ", ref.size()));

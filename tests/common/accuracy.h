@@ -47,6 +47,12 @@ absl::Status CheckAccuracy(std::string_view what, DType dtype, const std::vector
                            const std::vector<double>& ref, const std::vector<double>* naive,
                            double f32_rtol = kF32ForwardRtol);
 
+// Share of elements (0..1) where got equals the reference rounded to the dtype (NaN matching
+// NaN). An engine that accumulates in float32 and rounds once at the end reaches nearly 1, well
+// beyond what the 2x rule can tell apart from a rounding bug such as truncation.
+double FractionCorrectlyRounded(const std::vector<double>& got, const std::vector<double>& ref,
+                                DType dtype);
+
 // The LSE rule (kLseRtol); -inf must match -inf exactly.
 absl::Status CheckLse(const std::vector<float>& got, const std::vector<double>& ref);
 

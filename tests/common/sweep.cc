@@ -67,4 +67,8 @@ std::vector<SweepCase> StandardSweep() {
   return s;
 }
 
+void PrintTo(const SweepCase& c, std::ostream* os) {
+  *os << c.name << " {" << c.problem.DebugString() << (c.padded ? " padded" : "") << "}";
+}
+
 }  // namespace attn::testing

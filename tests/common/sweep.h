@@ -8,6 +8,7 @@
 // seconds on two cores.
 #pragma once
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -22,5 +23,8 @@ struct SweepCase {
 };
 
 std::vector<SweepCase> StandardSweep();
+
+// GoogleTest prints parameters with this (instead of a byte dump).
+void PrintTo(const SweepCase& c, std::ostream* os);
 
 }  // namespace attn::testing
