@@ -1,0 +1,474 @@
+// Integration tests: the real attnserve binary on an ephemeral loopback port (CPU engine),
+// driven through the real client library and generated stubs.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "clients/cli/channel_factory.h"
+#include "clients/cli/reference_check.h"
+#include "clients/cli/request_factory.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/server/server_process.h"
+
+namespace attnserve {
+namespace {
+
+using client::ChannelFactory;
+using client::ChannelOptions;
+using client::ShapeSpec;
+using test_support::ServerProcess;
+
+// Servers in these tests use one CPU thread: the build machine has two cores for everything.
+const std::vector<std::string> kBaseFlags = {"--cpu_threads=1", "--log_level=info"};
+
+struct Connection {
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<ChannelFactory> factory;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::AttentionService::Stub> stub;
+
+  grpc::Status Attend(const v1::AttendRequest& request, v1::AttendResponse* response,
+                      absl::Duration timeout = absl::Seconds(30)) {
+    grpc::ClientContext context;
+    factory->Prepare(&context, timeout);
+    return stub->Attend(&context, request, response);
+  }
+  v1::ServerInfo Info() {
+    grpc::ClientContext context;
+    factory->Prepare(&context, absl::Seconds(10));
+    v1::ServerInfo info;
+    const grpc::Status status = stub->GetServerInfo(&context, {}, &info);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return info;
+  }
+};
+
+Connection Connect(const std::vector<std::string>& extra_flags, ChannelOptions options = {},
+                   bool start = true) {
+  Connection c;
+  std::vector<std::string> flags = kBaseFlags;
+  flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
+  c.server = std::make_unique<ServerProcess>();
+  if (start) {
+    const bool up = c.server->Start(ATTN_SERVER_BINARY, flags);
+    EXPECT_TRUE(up) << c.server->log();
+    options.target = c.server->target();
+  }
+  c.factory = std::make_unique<ChannelFactory>(options);
+  c.channel = *c.factory->Connect();
+  c.stub = v1::AttentionService::NewStub(c.channel);
+  return c;
+}
+
+ShapeSpec Shape(attn::DType dtype, int batch, int64_t lq, int64_t lk, int h, int hkv, int d,
+                bool causal, bool varlen, bool lse) {
+  ShapeSpec s;
+  s.dtype = dtype;
+  s.batch = batch;
+  s.seqlen_q = lq;
+  s.seqlen_k = lk;
+  s.num_heads = h;
+  s.num_kv_heads = hkv;
+  s.head_dim = d;
+  s.causal = causal;
+  s.varlen = varlen;
+  s.return_lse = lse;
+  return s;
+}
+
+TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) {
+  // A long queue delay makes batches form even on a busy two-core machine.
+  Connection c = Connect({"--max_queue_delay=30ms", "--max_batch_requests=16"});
+  // Threads in the same group are batch-compatible with each other but differ in lengths.
+  const std::vector<ShapeSpec> shapes = {
+      Shape(attn::DType::kF32, 1, 17, 33, 4, 4, 32, false, false, true),
+      Shape(attn::DType::kF32, 2, 5, 9, 4, 4, 32, false, false, false),
+      Shape(attn::DType::kF32, 3, 13, 13, 4, 4, 32, false, true, true),
+      Shape(attn::DType::kF32, 1, 1, 40, 4, 4, 32, false, false, false),
+      Shape(attn::DType::kBF16, 2, 16, 16, 8, 2, 64, true, true, true),
+      Shape(attn::DType::kBF16, 1, 7, 21, 8, 2, 64, true, false, false),
+      Shape(attn::DType::kF16, 1, 9, 30, 2, 1, 128, false, false, true),
+      Shape(attn::DType::kF16, 2, 3, 8, 2, 1, 128, false, true, false),
+  };
+  constexpr int kRequestsPerThread = 6;
+  std::atomic<int> ok{0}, mismatches{0}, rpc_errors{0}, max_batch{0};
+  std::vector<std::thread> threads;
+  absl::Mutex mu;
+  std::vector<std::string> failures;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kRequestsPerThread; ++i) {
+        const std::string id = absl::StrCat("t", t, "-", i);
+        const v1::AttendRequest request = client::MakeRandomRequest(shapes[t], t * 1000 + i, id);
+        v1::AttendResponse response;
+        const grpc::Status status = c.Attend(request, &response);
+        if (!status.ok()) {
+          ++rpc_errors;
+          absl::MutexLock lock(&mu);
+          failures.push_back(absl::StrCat(id, ": ", status.error_message()));
+          continue;
+        }
+        auto check = client::CheckAgainstReference(request, response);
+        if (!check.ok() || response.request_id() != id) {
+          ++mismatches;
+          absl::MutexLock lock(&mu);
+          failures.push_back(absl::StrCat(id, ": ", check.status().ToString()));
+          continue;
+        }
+        ++ok;
+        int seen = max_batch.load();
+        while (response.batch().requests() > seen &&
+               !max_batch.compare_exchange_weak(seen, response.batch().requests())) {
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  EXPECT_EQ(ok.load(), static_cast<int>(shapes.size()) * kRequestsPerThread);
+  EXPECT_GT(max_batch.load(), 1) << "no request ever shared a batch";
+  const v1::ServerInfo info = c.Info();
+  EXPECT_GT(info.stats().batched_requests(), 0u);
+  EXPECT_LT(info.stats().batches(), info.stats().requests_completed());
+  EXPECT_FALSE(info.gpu());
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+TEST(ServerIntegration, MalformedRequestsAreRejectedNamingTheField) {
+  Connection c = Connect({});
+  const v1::AttendRequest good =
+      client::MakeRandomRequest(Shape(attn::DType::kF32, 1, 4, 4, 4, 2, 16, false, false, false), 7);
+  struct Case {
+    const char* field;
+    std::function<void(v1::AttendRequest*)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"q:", [](v1::AttendRequest* r) { r->clear_q(); }},
+      {"q.dtype", [](v1::AttendRequest* r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); }},
+      {"k.dtype", [](v1::AttendRequest* r) { r->mutable_k()->set_dtype(v1::DTYPE_BFLOAT16); }},
+      {"q.data", [](v1::AttendRequest* r) { r->mutable_q()->mutable_data()->pop_back(); }},
+      {"q.shape", [](v1::AttendRequest* r) { r->mutable_q()->add_shape(1); }},
+      {"v.shape", [](v1::AttendRequest* r) {
+         r->mutable_v()->set_shape(1, 3);
+         r->mutable_v()->mutable_data()->resize(3 * 2 * 16 * 4);
+       }},
+      {"k.shape", [](v1::AttendRequest* r) {  // 4 query heads over 3 KV heads
+         for (auto* t : {r->mutable_k(), r->mutable_v()}) {
+           t->set_shape(2, 3);
+           t->mutable_data()->resize(4 * 3 * 16 * 4);
+         }
+       }},
+      {"cu_seqlens_q", [](v1::AttendRequest* r) { r->add_cu_seqlens_q(0); }},
+      {"window_right", [](v1::AttendRequest* r) {
+         r->set_causal(true);
+         r->set_window_right(3);
+       }},
+      {"softmax_scale", [](v1::AttendRequest* r) { r->set_softmax_scale(-1.f); }},
+      {"path", [](v1::AttendRequest* r) { r->set_path(static_cast<v1::Path>(42)); }},
+      {"path", [](v1::AttendRequest* r) { r->set_path(v1::PATH_FUSED); }},  // no GPU here
+  };
+  for (const Case& k : cases) {
+    v1::AttendRequest bad = good;
+    k.mutate(&bad);
+    v1::AttendResponse response;
+    const grpc::Status status = c.Attend(bad, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << k.field << ": " << status.error_message();
+    EXPECT_TRUE(absl::StartsWith(status.error_message(), k.field))
+        << "expected the message to start with '" << k.field << "': " << status.error_message();
+  }
+  // Varlen with a bad prefix sum.
+  v1::AttendRequest varlen = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 2, 4, 4, 2, 2, 16, false, true, false), 3);
+  varlen.set_cu_seqlens_q(1, varlen.cu_seqlens_q(2) + 1);
+  v1::AttendResponse response;
+  grpc::Status status = c.Attend(varlen, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(status.error_message(), "cu_seqlens_q")) << status.error_message();
+  // The server is still fine.
+  status = c.Attend(good, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(client::CheckAgainstReference(good, response).ok());
+}
+
+TEST(ServerIntegration, FullQueueRejectsAtOnceWithResourceExhausted) {
+  Connection c = Connect({"--queue_capacity=2", "--max_batch_requests=1", "--max_queue_delay=0s"});
+  const v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 256, 256, 8, 8, 64, false, false, false), 11);
+  constexpr int kCalls = 24;
+  std::atomic<int> ok{0}, exhausted{0}, other{0};
+  std::string message;
+  absl::Mutex mu;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCalls; ++i) {
+    threads.emplace_back([&] {
+      v1::AttendResponse response;
+      const grpc::Status status = c.Attend(request, &response);
+      if (status.ok()) {
+        ++ok;
+      } else if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        ++exhausted;
+        absl::MutexLock lock(&mu);
+        message = status.error_message();
+      } else {
+        ++other;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GT(exhausted.load(), 0);
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_TRUE(absl::StartsWith(message, "queue: full")) << message;
+  EXPECT_EQ(c.Info().stats().requests_rejected(), static_cast<uint64_t>(exhausted.load()));
+}
+
+TEST(ServerIntegration, OversizeMessagesAndRequestsOverTheMemoryLimit) {
+  Connection c = Connect({"--max_message_bytes=2097152", "--memory_limit_bytes=1048576"});
+  v1::AttendResponse response;
+  // 3 x 1 MiB tensors: over the message limit; gRPC refuses it.
+  v1::AttendRequest huge = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 1024, 1024, 4, 4, 64, false, false, false), 1);
+  grpc::Status status = c.Attend(huge, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  // Under the message limit (3 x 320 KiB) but its working set is over the memory limit.
+  v1::AttendRequest big = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 320, 320, 4, 4, 64, false, false, false), 2);
+  status = c.Attend(big, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "memory limit")) << status.error_message();
+  // The server stays up and serves.
+  const v1::AttendRequest small = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 8, 8, 4, 4, 64, false, false, false), 3);
+  status = c.Attend(small, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(client::CheckAgainstReference(small, response).ok());
+}
+
+TEST(ServerIntegration, ExpiredDeadlinesAndCancelledCallsAreDroppedBeforeCompute) {
+  Connection c = Connect({"--max_queue_delay=300ms", "--max_batch_requests=64"});
+  const v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 16, 16, 2, 2, 32, false, false, false), 5);
+  v1::AttendResponse response;
+  grpc::Status status = c.Attend(request, &response, absl::Milliseconds(50));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+
+  // Cancel a queued call from the client.
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(30));
+  absl::Notification done;
+  grpc::Status cancelled_status;
+  c.stub->async()->Attend(&context, &request, &response, [&](grpc::Status s) {
+    cancelled_status = s;
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  context.TryCancel();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED);
+
+  // Both requests were accepted, neither was computed.
+  absl::SleepFor(absl::Milliseconds(600));  // past the batch delay: both have left the queue
+  const v1::ServerInfo info = c.Info();
+  EXPECT_EQ(info.stats().requests_accepted(), 2u);
+  EXPECT_EQ(info.stats().requests_failed(), 2u);
+  EXPECT_EQ(info.stats().requests_completed(), 0u);
+  EXPECT_EQ(info.stats().batches(), 0u);
+}
+
+TEST(ServerIntegration, BearerTokenIsRequiredWhenConfigured) {
+  char templ[] = "/tmp/attnserve_token_XXXXXX";
+  const int fd = mkstemp(templ);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  {
+    std::ofstream(templ) << "s3cret-token\n";
+  }
+  Connection c = Connect({absl::StrCat("--auth_token_file=", templ)});
+  const v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 4, 4, 2, 2, 16, false, false, false), 9);
+  v1::AttendResponse response;
+  grpc::Status status = c.Attend(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+
+  ChannelOptions wrong;
+  wrong.target = c.server->target();
+  wrong.auth_token = "s3cret-tokem";
+  ChannelFactory wrong_factory(wrong);
+  auto wrong_stub = v1::AttentionService::NewStub(*wrong_factory.Connect());
+  {
+    grpc::ClientContext context;
+    wrong_factory.Prepare(&context);
+    status = wrong_stub->Attend(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  ChannelOptions right = wrong;
+  right.auth_token = "s3cret-token";
+  ChannelFactory right_factory(right);
+  auto right_stub = v1::AttentionService::NewStub(*right_factory.Connect());
+  {
+    grpc::ClientContext context;
+    right_factory.Prepare(&context);
+    status = right_stub->Attend(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+  // Health stays open for probes.
+  auto health = grpc::health::v1::Health::NewStub(c.channel);
+  grpc::ClientContext context;
+  grpc::health::v1::HealthCheckResponse h;
+  status = health->Check(&context, {}, &h);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(h.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  std::remove(templ);
+}
+
+TEST(ServerIntegration, StreamPipelinesRequestsAndTagsResponses) {
+  Connection c = Connect({"--max_queue_delay=5ms"});
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(60));
+  auto stream = c.stub->AttendStream(&context);
+  std::vector<v1::AttendRequest> sent;
+  for (int i = 0; i < 12; ++i) {
+    const ShapeSpec s = i % 3 == 0 ? Shape(attn::DType::kF32, 1, 9 + i, 20, 4, 2, 32, true, false, true)
+                        : i % 3 == 1
+                            ? Shape(attn::DType::kBF16, 2, 5, 11, 4, 4, 64, false, true, false)
+                            : Shape(attn::DType::kF16, 1, 3, 7 + i, 2, 2, 16, false, false, true);
+    sent.push_back(client::MakeRandomRequest(s, 100 + i, absl::StrCat("s", i)));
+  }
+  v1::AttendRequest bad = sent[0];
+  bad.set_request_id("bad");
+  bad.mutable_q()->mutable_data()->append("x");
+  for (const auto& r : sent) ASSERT_TRUE(stream->Write(r));
+  ASSERT_TRUE(stream->Write(bad));
+  ASSERT_TRUE(stream->WritesDone());
+  std::map<std::string, v1::AttendResponse> got;
+  v1::AttendResponse response;
+  while (stream->Read(&response)) got[response.request_id()] = response;
+  const grpc::Status status = stream->Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(got.size(), sent.size() + 1);
+  for (const auto& r : sent) {
+    const v1::AttendResponse& resp = got[r.request_id()];
+    EXPECT_FALSE(resp.has_error()) << r.request_id() << ": " << resp.error().message();
+    auto check = client::CheckAgainstReference(r, resp);
+    EXPECT_TRUE(check.ok()) << r.request_id() << ": " << check.status();
+  }
+  EXPECT_EQ(got["bad"].error().code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_TRUE(absl::StartsWith(got["bad"].error().message(), "q.data"))
+      << got["bad"].error().message();
+}
+
+TEST(ServerIntegration, SigtermDuringLoadLosesNoAcceptedRequest) {
+  Connection c = Connect({"--max_queue_delay=5ms", "--drain_timeout=20s"});
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, unavailable{0}, other{0}, wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; !stop.load(); ++i) {
+        const v1::AttendRequest request = client::MakeRandomRequest(
+            Shape(attn::DType::kF32, 1, 32 + t, 64, 4, 4, 32, t % 2 == 0, false, false),
+            t * 100000 + i);
+        v1::AttendResponse response;
+        const grpc::Status status = c.Attend(request, &response);
+        if (status.ok()) {
+          ++ok;
+          if (!client::CheckAgainstReference(request, response).ok()) ++wrong;
+        } else if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+          ++unavailable;  // refused: the server was draining or gone, nothing was accepted
+          absl::SleepFor(absl::Milliseconds(20));
+        } else {
+          ++other;
+        }
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(800));
+  c.server->Signal(SIGTERM);
+  const int exit_status = c.server->Wait(absl::Seconds(30));
+  absl::SleepFor(absl::Milliseconds(200));
+  stop = true;
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(exit_status, 0) << c.server->log();
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(other.load(), 0) << "a call failed with something other than UNAVAILABLE";
+  // The server's own account: everything it accepted completed, and the client saw every one.
+  const std::string log = c.server->log();
+  EXPECT_TRUE(absl::StrContains(log, absl::StrCat("drained: ", ok.load(), " completed, 0 failed")))
+      << "client saw " << ok.load() << " OK\n" << log;
+}
+
+TEST(ServerIntegration, TlsServesWithTheGivenCertificate) {
+  char templ[] = "/tmp/attnserve_tls_XXXXXX";
+  const std::string dir = mkdtemp(templ);
+  const std::string command = absl::StrCat(
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+      "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout ",
+      dir, "/key.pem -out ", dir, "/cert.pem >/dev/null 2>&1");
+  if (std::system(command.c_str()) != 0) GTEST_SKIP() << "openssl is not available";
+  ChannelOptions options;
+  options.tls_ca_file = dir + "/cert.pem";
+  options.tls_server_name = "localhost";
+  Connection c = Connect({absl::StrCat("--tls_cert_file=", dir, "/cert.pem"),
+                          absl::StrCat("--tls_key_file=", dir, "/key.pem")},
+                         options, /*start=*/true);
+  // Connect() built the channel before knowing the port for TLS options; rebuild it.
+  options.target = c.server->target();
+  ChannelFactory factory(options);
+  auto stub = v1::AttentionService::NewStub(*factory.Connect());
+  const v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 8, 8, 2, 2, 16, false, false, false), 4);
+  v1::AttendResponse response;
+  grpc::ClientContext context;
+  factory.Prepare(&context, absl::Seconds(20));
+  const grpc::Status status = stub->Attend(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(client::CheckAgainstReference(request, response).ok());
+  // A plaintext client cannot talk to it.
+  ChannelOptions plain;
+  plain.target = c.server->target();
+  ChannelFactory plain_factory(plain);
+  auto plain_stub = v1::AttentionService::NewStub(*plain_factory.Connect());
+  grpc::ClientContext plain_context;
+  plain_factory.Prepare(&plain_context, absl::Seconds(5));
+  EXPECT_FALSE(plain_stub->Attend(&plain_context, request, &response).ok());
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+}
+
+TEST(ServerIntegration, CommandLineClientChecksAgainstTheReference) {
+  Connection c = Connect({});
+  const std::string base = absl::StrCat(ATTN_CLIENT_BINARY, " --target=", c.server->target());
+  EXPECT_EQ(std::system((base + " health >/dev/null").c_str()), 0);
+  EXPECT_EQ(std::system((base + " info --json >/dev/null").c_str()), 0);
+  EXPECT_EQ(std::system((base + " attend --check --varlen --batch=3 --causal --dtype=bf16 "
+                                "--heads=4 --kv_heads=2 --seqlen_q=20 --seqlen_k=30 --lse "
+                                "--count=2 >/dev/null")
+                            .c_str()),
+            0);
+  EXPECT_EQ(std::system((base + " bench --concurrency=1,4 --rates=50 --duration=500ms "
+                                "--seqlen_q=16 --seqlen_k=16 --heads=2 --json >/dev/null")
+                            .c_str()),
+            0);
+}
+
+}  // namespace
+}  // namespace attnserve
