@@ -1,0 +1,347 @@
+// attn_kernel_bench: forward TFLOP/s of the CUDA fused and naive engines over the anchor grid of
+// shared/anchors/README.md (16k tokens per batch: batch = 16384 / N, heads = 2048 / d), with the
+// device memory each engine held. Timing: CUDA events around each call, warm-up first, the
+// median of many repeats, inputs rotated among sets that together exceed the L2 many times.
+//
+// Output: a table, or JSON lines with --json (what bench/sdpa_anchor.py reads).
+// Flags (comma lists): --dtype=bf16,fp16 --d=64,128 --n=512,...,16384 --causal=0,1
+//   --engine=fused,naive --min_ms=100 --warmup_ms=25 --max_repeats=200 --tokens=16384
+//   --head_width=2048 --workspace_limit_gb=8
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "attn/engine.h"
+#include "attn/status_macros.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/common/device_buffer.h"
+#include "fill_random.h"
+
+namespace attn::bench {
+namespace {
+
+struct Flags {
+  std::vector<DType> dtypes{DType::kBF16, DType::kF16};
+  std::vector<int> dims{64, 128};
+  std::vector<int> lengths{512, 1024, 2048, 4096, 8192, 16384};
+  std::vector<int> causal{0, 1};
+  std::vector<EngineKind> engines{EngineKind::kCudaFused, EngineKind::kCudaNaive};
+  double min_ms = 100, warmup_ms = 25;
+  int max_repeats = 200;
+  int64_t tokens = 16384;
+  int head_width = 2048;
+  double workspace_limit_gb = 8;
+  bool json = false;
+};
+
+std::vector<std::string> SplitCommas(const std::string& value) {
+  std::vector<std::string> items;
+  size_t begin = 0;
+  while (begin <= value.size()) {
+    const size_t comma = std::min(value.find(',', begin), value.size());
+    if (comma > begin) items.push_back(value.substr(begin, comma - begin));
+    begin = comma + 1;
+  }
+  return items;
+}
+
+template <typename T, typename Parse>
+absl::Status ParseList(const std::string& value, std::vector<T>& out, Parse parse) {
+  out.clear();
+  for (const std::string& item : SplitCommas(value)) {
+    ATTN_ASSIGN_OR_RETURN(T v, parse(item));
+    out.push_back(v);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ParseInt(const std::string& s) {
+  int v = 0;
+  const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (error != std::errc() || end != s.data() + s.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("not an integer: ", s));
+  }
+  return v;
+}
+
+absl::StatusOr<double> ParseDouble(const std::string& s) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("not a number: ", s));
+  }
+  return v;
+}
+
+absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--json") {
+      f.json = true;
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    if (arg.rfind("--", 0) != 0 || eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown argument: ", arg));
+    }
+    const std::string name = arg.substr(2, eq - 2);
+    const std::string value = arg.substr(eq + 1);
+    if (name == "dtype") {
+      ATTN_RETURN_IF_ERROR(
+          ParseList(value, f.dtypes, [](const std::string& s) { return ParseDType(s); }));
+    } else if (name == "d") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.dims, ParseInt));
+    } else if (name == "n") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.lengths, ParseInt));
+    } else if (name == "causal") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.causal, ParseInt));
+    } else if (name == "engine") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.engines, [](const std::string& s) {
+        return ParseEngineKind(absl::StrCat("cuda_", s));
+      }));
+    } else if (name == "min_ms") {
+      ATTN_ASSIGN_OR_RETURN(f.min_ms, ParseDouble(value));
+    } else if (name == "warmup_ms") {
+      ATTN_ASSIGN_OR_RETURN(f.warmup_ms, ParseDouble(value));
+    } else if (name == "max_repeats") {
+      ATTN_ASSIGN_OR_RETURN(f.max_repeats, ParseInt(value));
+    } else if (name == "tokens") {
+      ATTN_ASSIGN_OR_RETURN(const int t, ParseInt(value));
+      f.tokens = t;
+    } else if (name == "head_width") {
+      ATTN_ASSIGN_OR_RETURN(f.head_width, ParseInt(value));
+    } else if (name == "workspace_limit_gb") {
+      ATTN_ASSIGN_OR_RETURN(f.workspace_limit_gb, ParseDouble(value));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag: --", name));
+    }
+  }
+  return f;
+}
+
+const char* ShortDType(DType t) {
+  return t == DType::kBF16 ? "bf16" : t == DType::kF16 ? "fp16" : "fp32";
+}
+
+// Device memory in use now (all processes), bytes.
+int64_t DeviceUsedBytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return -1;
+  return static_cast<int64_t>(total_bytes - free_bytes);
+}
+
+// Input sets of Q, K, V (each [tokens, heads, d], packed) plus one O and LSE, all device-side.
+struct Buffers {
+  std::vector<cuda::DeviceBuffer> q, k, v;
+  cuda::DeviceBuffer o, lse;
+  int64_t tensor_bytes = 0;
+};
+
+struct Row {
+  std::string engine;
+  DType dtype;
+  int d;
+  bool causal;
+  int n, batch, heads;
+  double ms = 0, tflops = 0;
+  int64_t workspace_bytes = -1;  // device memory the engine added (pool, cuBLAS), after the run
+  int repeats = 0;
+  std::string status = "ok";
+};
+
+double Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype, int d, bool causal,
+                     int n, Row& row) {
+  const int heads = f.head_width / d;
+  const int batch = static_cast<int>(f.tokens / n);
+  row = Row{std::string(EngineKindName(kind)).substr(5), dtype, d, causal, n, batch, heads};
+  const AttentionProblem p = DenseProblem(dtype, batch, n, n, heads, heads, d, causal);
+  const double flops = 4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0);
+
+  const int64_t used_before = DeviceUsedBytes();
+  EngineOptions options;
+  options.workspace_limit_bytes = static_cast<int64_t>(f.workspace_limit_gb * (1ll << 30));
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, CreateEngine(kind, options));
+  if (absl::Status s = engine->SupportsForward(p); !s.ok()) {
+    row.status = s.ToString();
+    return absl::OkStatus();
+  }
+  cudaStream_t stream = nullptr;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto args = [&](size_t set) {
+    ForwardArgs a;
+    a.q = Packed<const void*>(buf.q[set].get(), heads, d);
+    a.k = Packed<const void*>(buf.k[set].get(), heads, d);
+    a.v = Packed<const void*>(buf.v[set].get(), heads, d);
+    a.o = Packed<void*>(buf.o.get(), heads, d);
+    a.lse = buf.lse.as<float>();
+    a.stream = stream;
+    return a;
+  };
+  const size_t sets = buf.q.size();
+  absl::Status status;
+  // Warm-up: at least 3 calls and warmup_ms; the first sizes the engine's workspace.
+  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
+  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
+  float first_ms = 0;
+  {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
+    status = engine->Forward(p, args(0));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    if (!status.ok()) {
+      cudaStreamDestroy(stream);
+      row.status = status.ToString();
+      return absl::OkStatus();
+    }
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&first_ms, start.get(), stop.get()));
+  }
+  row.workspace_bytes = DeviceUsedBytes() - used_before;
+  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
+  for (int i = 0; i < warmups && status.ok(); ++i) status = engine->Forward(p, args(i % sets));
+  // Repeats: enough for min_ms, within [10, max_repeats].
+  const int repeats =
+      std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
+  std::vector<cuda::CudaEvent> events;
+  for (int i = 0; i < 2 * repeats && status.ok(); ++i) {
+    ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
+    events.push_back(std::move(e));
+  }
+  for (int i = 0; i < repeats && status.ok(); ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
+    status = engine->Forward(p, args((i + 1) % sets));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+  if (!status.ok()) {
+    row.status = status.ToString();
+    return absl::OkStatus();
+  }
+  std::vector<float> times(repeats);
+  for (int i = 0; i < repeats; ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&times[i], events[2 * i].get(), events[2 * i + 1].get()));
+  }
+  row.repeats = repeats;
+  row.ms = Median(times);
+  row.tflops = flops / (row.ms * 1e-3) / 1e12;
+  return absl::OkStatus();
+}
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += (c == '\n' ? ' ' : c);
+  }
+  return out;
+}
+
+void Print(const Flags& f, const Row& r) {
+  if (f.json) {
+    std::printf(
+        "{\"bench\":\"attn_kernel_bench\",\"pass\":\"fwd\",\"engine\":\"%s\",\"dtype\":\"%s\","
+        "\"d\":%d,\"causal\":%s,\"N\":%d,\"batch\":%d,\"heads\":%d,\"ms\":%.5f,\"tflops\":%.3f,"
+        "\"repeats\":%d,\"workspace_bytes\":%lld,\"status\":\"%s\"}\n",
+        r.engine.c_str(), ShortDType(r.dtype), r.d, r.causal ? "true" : "false", r.n, r.batch,
+        r.heads, r.ms, r.tflops, r.repeats, static_cast<long long>(r.workspace_bytes),
+        JsonEscape(r.status).c_str());
+  } else if (r.status == "ok") {
+    std::printf("%-6s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f\n", r.engine.c_str(),
+                ShortDType(r.dtype), r.d, r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.ms,
+                r.tflops, r.workspace_bytes / 1048576.0);
+  } else {
+    std::printf("%-6s %-5s %4d %-6s %6d %6d %6d   %s\n", r.engine.c_str(), ShortDType(r.dtype), r.d,
+                r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.status.c_str());
+  }
+  std::fflush(stdout);
+}
+
+absl::Status Run(const Flags& f) {
+  cudaDeviceProp prop{};
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));
+  // Every configuration has tokens x head_width elements per tensor.
+  const int64_t elements = f.tokens * f.head_width;
+  int64_t max_bytes = 0;
+  for (DType t : f.dtypes) max_bytes = std::max(max_bytes, elements * DTypeSize(t));
+  // Sets of Q, K, V: together at least 8 times the L2 and 200 MB, and at least two.
+  const int64_t set_bytes = 3 * max_bytes;
+  const int64_t want = std::max<int64_t>(int64_t{8} * prop.l2CacheSize, int64_t{200} << 20);
+  const int sets = static_cast<int>(std::max<int64_t>(2, (want + set_bytes - 1) / set_bytes));
+  Buffers buf;
+  buf.tensor_bytes = max_bytes;
+  for (int s = 0; s < sets; ++s) {
+    for (auto* list : {&buf.q, &buf.k, &buf.v}) {
+      ATTN_ASSIGN_OR_RETURN(cuda::DeviceBuffer b, cuda::DeviceBuffer::Allocate(max_bytes));
+      list->push_back(std::move(b));
+    }
+  }
+  ATTN_ASSIGN_OR_RETURN(buf.o, cuda::DeviceBuffer::Allocate(max_bytes));
+  const int min_dim = *std::min_element(f.dims.begin(), f.dims.end());
+  ATTN_ASSIGN_OR_RETURN(
+      buf.lse, cuda::DeviceBuffer::Allocate(f.tokens * (f.head_width / min_dim) * sizeof(float)));
+  if (!f.json) {
+    std::printf("# %s, %d SMs, L2 %d MB; %d input sets of %.0f MB; median of CUDA-event times\n",
+                prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, sets,
+                set_bytes / 1048576.0);
+    std::printf("%-6s %-5s %4s %-6s %6s %6s %6s %10s %9s %12s\n", "engine", "dtype", "d", "causal",
+                "N", "batch", "heads", "ms", "TFLOP/s", "workspaceMB");
+  }
+  uint64_t seed = 1;
+  for (DType dtype : f.dtypes) {
+    for (size_t s = 0; s < buf.q.size(); ++s) {
+      for (auto* list : {&buf.q, &buf.k, &buf.v}) {
+        ATTN_RETURN_IF_ERROR(FillRandomNormal((*list)[s].get(), elements, dtype, seed++, nullptr));
+      }
+    }
+    ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    for (int d : f.dims) {
+      for (int causal : f.causal) {
+        for (int n : f.lengths) {
+          if (n <= 0 || f.tokens % n != 0 || f.head_width % d != 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("N=", n, " must divide --tokens and d=", d, " --head_width"));
+          }
+          for (EngineKind kind : f.engines) {
+            Row row;
+            ATTN_RETURN_IF_ERROR(TimeOne(f, buf, kind, dtype, d, causal != 0, n, row));
+            Print(f, row);
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace attn::bench
+
+int main(int argc, char** argv) {
+  auto flags = attn::bench::ParseFlags(argc, argv);
+  if (!flags.ok()) {
+    std::fprintf(stderr, "attn_kernel_bench: %s\n", flags.status().ToString().c_str());
+    return 2;
+  }
+  const absl::Status s = attn::bench::Run(*flags);
+  if (!s.ok()) {
+    std::fprintf(stderr, "attn_kernel_bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
