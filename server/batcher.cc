@@ -194,6 +194,7 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
   DevicePool* pool = engine.memory_space() == attn::MemorySpace::kDevice ? lane.device_pool.get()
                                                                          : lane.host_pool.get();
   if (pool == nullptr) return absl::InternalError("batcher: lane has no pool for the engine");
+  ATTN_RETURN_IF_ERROR(pool->Activate());
   ATTN_RETURN_IF_ERROR(pool->Reserve(end));
 
   std::byte* host = pool->host();

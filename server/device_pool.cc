@@ -114,6 +114,15 @@ absl::Status DevicePool::Reserve(int64_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status DevicePool::Activate() {
+  if (space_ != attn::MemorySpace::kDevice) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(cudaSetDevice(device_ordinal_), "cudaSetDevice");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
 absl::Status DevicePool::CopyToDevice(int64_t offset, int64_t bytes) {
   if (space_ != attn::MemorySpace::kDevice || bytes == 0) return absl::OkStatus();
 #if defined(ATTN_HAVE_CUDA)

@@ -41,6 +41,9 @@ class DevicePool {
   void* stream() { return stream_; }
   int64_t capacity() const { return capacity_; }
 
+  // Makes the pool's device current on the calling thread (lane threads call it per batch).
+  absl::Status Activate();
+
   // Asynchronous on stream(); no-ops for host engines.
   absl::Status CopyToDevice(int64_t offset, int64_t bytes);
   absl::Status CopyToHost(int64_t offset, int64_t bytes);
