@@ -73,7 +73,8 @@ class AttendStreamReactor final
     : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
  public:
   AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* context)
-      : service_(service), context_(context),
+      : service_(service),
+        context_(context),
         cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     const absl::Status status = service_->CheckCall(*context_);
     if (!status.ok()) {
@@ -105,9 +106,9 @@ class AttendStreamReactor final
       absl::MutexLock lock(&mu_);
       ++outstanding_;
     }
-    const absl::Status status = service_->Admit(
-        call->request, &call->response, DeadlineOf(*context_), cancelled_,
-        [this, call](const absl::Status& s) { Complete(call, s); });
+    const absl::Status status =
+        service_->Admit(call->request, &call->response, DeadlineOf(*context_), cancelled_,
+                        [this, call](const absl::Status& s) { Complete(call, s); });
     if (!status.ok()) {
       service_->metrics()->OnRejected(status);
       Complete(call, status);
@@ -242,14 +243,14 @@ absl::StatusOr<int> AttentionService::ChooseEngine(const DecodedRequest& request
     absl::Status s = probes_[i]->SupportsForward(request.problem);
     if (s.ok()) return static_cast<int>(i);
     if (absl::IsUnimplemented(s)) s = absl::InvalidArgumentError(s.message());
-    last = absl::Status(s.code(), absl::StrCat(s.message(), " (engine ",
-                                               std::string(probes_[i]->name()), ")"));
+    last = absl::Status(
+        s.code(), absl::StrCat(s.message(), " (engine ", std::string(probes_[i]->name()), ")"));
   }
   return last;
 }
 
-absl::Status AttentionService::Admit(const v1::AttendRequest& request,
-                                     v1::AttendResponse* response, absl::Time deadline,
+absl::Status AttentionService::Admit(const v1::AttendRequest& request, v1::AttendResponse* response,
+                                     absl::Time deadline,
                                      std::shared_ptr<const std::atomic<bool>> cancelled,
                                      std::function<void(const absl::Status&)> done) {
   absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(request, options_.limits);

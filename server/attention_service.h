@@ -3,12 +3,12 @@
 // WorkItem to the Batcher; the lane thread that runs the batch finishes the RPC.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"

@@ -50,8 +50,8 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server: shutting down, not accepting requests");
   if (static_cast<int>(queue_.size()) >= options_.queue_capacity) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "queue: full (", options_.queue_capacity, " requests waiting); retry with backoff"));
+    return absl::ResourceExhaustedError(absl::StrCat("queue: full (", options_.queue_capacity,
+                                                     " requests waiting); retry with backoff"));
   }
   queue_.push_back(std::move(item));
   return absl::OkStatus();
@@ -134,10 +134,9 @@ void Batcher::RunBatch(Lane& lane, Batch batch) {
     if (item->cancelled != nullptr && item->cancelled->load()) {
       dropped = absl::CancelledError("request: cancelled by the client before compute");
     } else if (now >= item->deadline) {
-      dropped = absl::DeadlineExceededError(
-          absl::StrCat("request: deadline passed after ",
-                       absl::FormatDuration(now - item->accepted),
-                       " in the queue; dropped before compute"));
+      dropped = absl::DeadlineExceededError(absl::StrCat("request: deadline passed after ",
+                                                         absl::FormatDuration(now - item->accepted),
+                                                         " in the queue; dropped before compute"));
     }
     if (!dropped.ok()) {
       metrics_->OnFinished(dropped, now - item->accepted, now - item->accepted);

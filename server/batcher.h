@@ -34,8 +34,8 @@ namespace attnserve {
 
 // One accepted request on its way through the batcher.
 struct WorkItem {
-  DecodedRequest request;  // aliases bytes the RPC keeps alive until `done` runs
-  int engine = 0;          // index into every lane's engines
+  DecodedRequest request;                  // aliases bytes the RPC keeps alive until `done` runs
+  int engine = 0;                          // index into every lane's engines
   v1::AttendResponse* response = nullptr;  // filled in before done(OK)
   absl::Time accepted;
   absl::Time deadline = absl::InfiniteFuture();

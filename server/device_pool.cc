@@ -28,8 +28,7 @@ absl::Status CudaCheck(cudaError_t err, const char* what) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace space,
-                                                               int device,
+absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace space, int device,
                                                                int64_t limit_bytes) {
   std::unique_ptr<DevicePool> pool(new DevicePool(space, device, limit_bytes));
   if (space == attn::MemorySpace::kDevice) {
@@ -126,8 +125,8 @@ absl::Status DevicePool::Activate() {
 absl::Status DevicePool::CopyToDevice(int64_t offset, int64_t bytes) {
   if (space_ != attn::MemorySpace::kDevice || bytes == 0) return absl::OkStatus();
 #if defined(ATTN_HAVE_CUDA)
-  return CudaCheck(cudaMemcpyAsync(device_ + offset, host_ + offset, bytes,
-                                   cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_)),
+  return CudaCheck(cudaMemcpyAsync(device_ + offset, host_ + offset, bytes, cudaMemcpyHostToDevice,
+                                   static_cast<cudaStream_t>(stream_)),
                    "cudaMemcpyAsync(host to device)");
 #else
   return absl::UnavailableError("device pool: this build has no CUDA support");
@@ -137,8 +136,8 @@ absl::Status DevicePool::CopyToDevice(int64_t offset, int64_t bytes) {
 absl::Status DevicePool::CopyToHost(int64_t offset, int64_t bytes) {
   if (space_ != attn::MemorySpace::kDevice || bytes == 0) return absl::OkStatus();
 #if defined(ATTN_HAVE_CUDA)
-  return CudaCheck(cudaMemcpyAsync(host_ + offset, device_ + offset, bytes,
-                                   cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream_)),
+  return CudaCheck(cudaMemcpyAsync(host_ + offset, device_ + offset, bytes, cudaMemcpyDeviceToHost,
+                                   static_cast<cudaStream_t>(stream_)),
                    "cudaMemcpyAsync(device to host)");
 #else
   return absl::UnavailableError("device pool: this build has no CUDA support");

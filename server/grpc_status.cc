@@ -8,8 +8,7 @@ namespace attnserve {
 // the cast is the mapping, kept here so that no other file relies on it.
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

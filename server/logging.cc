@@ -34,8 +34,8 @@ absl::StatusOr<LogLevel> ParseLogLevel(std::string_view name) {
   if (name == "info") return LogLevel::kInfo;
   if (name == "warning") return LogLevel::kWarning;
   if (name == "error") return LogLevel::kError;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "log_level: unknown '", std::string(name), "' (expected debug, info, warning, error)"));
+  return absl::InvalidArgumentError(absl::StrCat("log_level: unknown '", std::string(name),
+                                                 "' (expected debug, info, warning, error)"));
 }
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }

@@ -34,7 +34,7 @@ class LogLine {
 
 }  // namespace attnserve
 
-#define ATTN_LOG(level)                                           \
-  if (!::attnserve::LogEnabled(::attnserve::LogLevel::level)) {   \
-  } else                                                          \
+#define ATTN_LOG(level)                                         \
+  if (!::attnserve::LogEnabled(::attnserve::LogLevel::level)) { \
+  } else                                                        \
     ::attnserve::LogLine(::attnserve::LogLevel::level).stream()

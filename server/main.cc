@@ -76,7 +76,8 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   c.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream in(path);
-    if (!in) return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
+    if (!in)
+      return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
     std::getline(in, c.auth_token);
     if (c.auth_token.empty()) {
       return absl::InvalidArgumentError("--auth_token_file: the first line is empty");
@@ -96,7 +97,8 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("The attnserve gRPC attention server. Flags:");
   absl::ParseCommandLine(argc, argv);
-  absl::StatusOr<attnserve::LogLevel> level = attnserve::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  absl::StatusOr<attnserve::LogLevel> level =
+      attnserve::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
   if (!level.ok()) {
     std::fprintf(stderr, "%s\n", std::string(level.status().message()).c_str());
     return 2;

@@ -33,8 +33,7 @@ absl::Status CheckTensor(const char* name, const v1::Tensor& t, attn::DType dtyp
   for (int i = 0; i < rank; ++i) {
     const int64_t dim = t.shape(i);
     if (dim < 0 || dim > kMaxTokens) {
-      return Invalid(absl::StrCat(name, ".shape[", i, "]"),
-                     absl::StrCat("out of range: ", dim));
+      return Invalid(absl::StrCat(name, ".shape[", i, "]"), absl::StrCat("out of range: ", dim));
     }
     if (dim != 0 && elements > std::numeric_limits<int64_t>::max() / 8 / dim) {
       return Invalid(absl::StrCat(name, ".shape"), absl::StrCat(ShapeString(t), " is too large"));
@@ -105,8 +104,8 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
 
   auto dtype = FromProtoDType(r.q().dtype());
   if (!dtype.ok()) return Invalid("q.dtype", std::string(dtype.status().message()));
-  for (const auto& [name, t] : {std::pair<const char*, const v1::Tensor*>{"k", &r.k()},
-                                {"v", &r.v()}}) {
+  for (const auto& [name, t] :
+       {std::pair<const char*, const v1::Tensor*>{"k", &r.k()}, {"v", &r.v()}}) {
     if (t->dtype() != r.q().dtype()) {
       return Invalid(absl::StrCat(name, ".dtype"),
                      absl::StrCat(v1::DType_Name(t->dtype()), " differs from q.dtype ",
@@ -142,7 +141,8 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
     ATTN_RETURN_IF_ERROR(CheckDim("k.shape[0]", ks[0], qs[0], "q.shape[0] (batch)"));
     ATTN_RETURN_IF_ERROR(CheckDim("k.shape[3]", ks[3], qs[3], "q.shape[3] (head_dim)"));
     if (qs[0] < 1 || qs[0] > kMaxBatch) {
-      return Invalid("q.shape[0]", absl::StrCat("batch must be in [1, ", kMaxBatch, "], got ", qs[0]));
+      return Invalid("q.shape[0]",
+                     absl::StrCat("batch must be in [1, ", kMaxBatch, "], got ", qs[0]));
     }
     if (qs[0] * qs[1] > kMaxTokens || ks[0] * ks[1] > kMaxTokens) {
       return Invalid("q.shape", "more than 2^31-1 tokens");
@@ -165,8 +165,10 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
       p.cu_seqlens_q = {0, static_cast<int32_t>(qs[0])};
       p.cu_seqlens_k = {0, static_cast<int32_t>(ks[0])};
     } else {
-      if (r.cu_seqlens_q_size() == 0) return Invalid("cu_seqlens_q", "missing (cu_seqlens_k is set)");
-      if (r.cu_seqlens_k_size() == 0) return Invalid("cu_seqlens_k", "missing (cu_seqlens_q is set)");
+      if (r.cu_seqlens_q_size() == 0)
+        return Invalid("cu_seqlens_q", "missing (cu_seqlens_k is set)");
+      if (r.cu_seqlens_k_size() == 0)
+        return Invalid("cu_seqlens_k", "missing (cu_seqlens_q is set)");
       p.cu_seqlens_q.assign(r.cu_seqlens_q().begin(), r.cu_seqlens_q().end());
       p.cu_seqlens_k.assign(r.cu_seqlens_k().begin(), r.cu_seqlens_k().end());
       if (p.cu_seqlens_q.back() != qs[0]) {
@@ -182,9 +184,9 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   if (p.num_heads < 1) return Invalid("q.shape", "num_heads must be >= 1");
   if (p.num_kv_heads < 1) return Invalid("k.shape", "num_kv_heads must be >= 1");
   if (p.num_heads % p.num_kv_heads != 0) {
-    return Invalid("k.shape", absl::StrCat("num_kv_heads ", p.num_kv_heads,
-                                           " does not divide num_heads ", p.num_heads,
-                                           " (GQA ratio must be an integer)"));
+    return Invalid("k.shape",
+                   absl::StrCat("num_kv_heads ", p.num_kv_heads, " does not divide num_heads ",
+                                p.num_heads, " (GQA ratio must be an integer)"));
   }
   p.causal = r.causal();
   p.window_left = r.has_window_left() ? r.window_left() : -1;
@@ -194,10 +196,10 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
 
   const int64_t bytes = WorkingSetBytes(p);
   if (bytes > limits.memory_limit_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request: needs ", bytes, " bytes for Q, K, V, O and LSE; the server's "
-                     "memory limit per batch is ",
-                     limits.memory_limit_bytes, " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat("request: needs ", bytes,
+                                                     " bytes for Q, K, V, O and LSE; the server's "
+                                                     "memory limit per batch is ",
+                                                     limits.memory_limit_bytes, " bytes"));
   }
 
   d.q = r.q().data().data();

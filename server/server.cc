@@ -1,14 +1,14 @@
 #include "server/server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
 #include "attn/problem.h"
@@ -110,9 +110,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
 
   // Lanes: per device when a GPU engine runs, otherwise one lane set on the CPU.
   const std::vector<int> lane_devices = any_device ? config.devices : std::vector<int>{0};
-  const int per_device = config.lanes_per_device > 0 ? config.lanes_per_device
-                         : any_device                ? 2
-                                                     : 1;
+  const int per_device = config.lanes_per_device > 0 ? config.lanes_per_device : any_device ? 2 : 1;
   std::vector<Batcher::Lane> lanes;
   for (int device : lane_devices) {
     for (int i = 0; i < per_device; ++i) {
@@ -128,9 +126,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       ATTN_ASSIGN_OR_RETURN(lane.host_pool, DevicePool::Create(attn::MemorySpace::kHost, device,
                                                                config.memory_limit_bytes));
       if (any_device) {
-        ATTN_ASSIGN_OR_RETURN(lane.device_pool,
-                              DevicePool::Create(attn::MemorySpace::kDevice, device,
-                                                 config.memory_limit_bytes));
+        ATTN_ASSIGN_OR_RETURN(
+            lane.device_pool,
+            DevicePool::Create(attn::MemorySpace::kDevice, device, config.memory_limit_bytes));
       }
       lanes.push_back(std::move(lane));
     }
@@ -157,9 +155,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   AttentionService::Options service_options;
   service_options.auth_token = config.auth_token;
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
-  self->service_ = std::make_unique<AttentionService>(
-      service_options, std::move(probes), self->batcher_.get(), &self->metrics_,
-      DescribeServer(config, kinds, lane_count));
+  self->service_ = std::make_unique<AttentionService>(service_options, std::move(probes),
+                                                      self->batcher_.get(), &self->metrics_,
+                                                      DescribeServer(config, kinds, lane_count));
 
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (!config.tls_cert_file.empty()) {
@@ -196,12 +194,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       out << self->port_ << "\n";
     }
     if (std::rename(tmp.c_str(), config.port_file.c_str()) != 0) {
-      return absl::InternalError(absl::StrCat("--port_file: cannot write '", config.port_file,
-                                              "'"));
+      return absl::InternalError(
+          absl::StrCat("--port_file: cannot write '", config.port_file, "'"));
     }
   }
   std::string engines;
-  for (attn::EngineKind kind : kinds) absl::StrAppend(&engines, " ", std::string(attn::EngineKindName(kind)));
+  for (attn::EngineKind kind : kinds)
+    absl::StrAppend(&engines, " ", std::string(attn::EngineKindName(kind)));
   ATTN_LOG(kInfo) << "attnserve " << kVersion << " listening on port " << self->port_
                   << " (engines:" << engines << "; lanes: " << lane_count
                   << (config.tls_cert_file.empty() ? "; plaintext" : "; TLS")

@@ -2,9 +2,9 @@
 // reflection, and the graceful drain. main.cc builds a Config and calls Start and Drain.
 #pragma once
 
-#include <memory>
-
 #include <grpcpp/grpcpp.h>
+
+#include <memory>
 
 #include "absl/status/statusor.h"
 #include "server/attention_service.h"

@@ -3,17 +3,18 @@
 //   attnserve_client info   [--target=host:port] [--json]
 //   attnserve_client health [--service=attnserve.v1.AttentionService]
 //   attnserve_client attend [shape flags] [--check] [--count=N] [--json]
+//                           [--q_npy=q.npy --k_npy=k.npy --v_npy=v.npy] [--o_npy=o.npy]
 //   attnserve_client bench  [shape flags] [--concurrency=1,4,16] [--rates=100,200]
 //                           [--duration=5s] [--json]
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
-
-#include <google/protobuf/util/json_util.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -27,6 +28,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "clients/cli/channel_factory.h"
 #include "clients/cli/load_generator.h"
+#include "clients/cli/npy_file.h"
 #include "clients/cli/reference_check.h"
 #include "clients/cli/request_factory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -52,6 +54,16 @@ ABSL_FLAG(bool, lse, false, "Ask for the log-sum-exp");
 ABSL_FLAG(std::string, path, "auto", "auto, fused, naive or cpu");
 ABSL_FLAG(uint64_t, seed, 1, "Random seed of the tensors");
 
+ABSL_FLAG(int, window_left, -1, "Sliding window: keys to the left (-1 = unbounded)");
+ABSL_FLAG(int, window_right, -1, "Sliding window: keys to the right (-1 = unbounded)");
+ABSL_FLAG(std::string, q_npy, "", "attend: read Q from this .npy (with --k_npy, --v_npy)");
+ABSL_FLAG(std::string, k_npy, "", "attend: read K from this .npy");
+ABSL_FLAG(std::string, v_npy, "", "attend: read V from this .npy");
+ABSL_FLAG(std::vector<std::string>, cu_seqlens_q, {},
+          "attend with .npy inputs: query prefix sums for the 3-D variable-length layout");
+ABSL_FLAG(std::vector<std::string>, cu_seqlens_k, {}, "attend with .npy inputs: key prefix sums");
+ABSL_FLAG(std::string, o_npy, "", "attend: write O to this .npy");
+ABSL_FLAG(std::string, lse_npy, "", "attend: write the LSE to this .npy (implies --lse)");
 ABSL_FLAG(bool, check, false, "attend: check O (and LSE) against the local CPU reference");
 ABSL_FLAG(int, count, 1, "attend: requests to send, one after another, fresh tensors each");
 
@@ -90,7 +102,8 @@ bool ShapeFromFlags(attnserve::client::ShapeSpec* s, std::string* error) {
   s->seqlen_q = absl::GetFlag(FLAGS_seqlen_q);
   s->seqlen_k = absl::GetFlag(FLAGS_seqlen_k);
   s->num_heads = absl::GetFlag(FLAGS_heads);
-  s->num_kv_heads = absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : s->num_heads;
+  s->num_kv_heads =
+      absl::GetFlag(FLAGS_kv_heads) > 0 ? absl::GetFlag(FLAGS_kv_heads) : s->num_heads;
   s->head_dim = absl::GetFlag(FLAGS_head_dim);
   s->causal = absl::GetFlag(FLAGS_causal);
   s->varlen = absl::GetFlag(FLAGS_varlen);
@@ -145,20 +158,72 @@ int Health(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
   grpc::health::v1::HealthCheckResponse response;
   const grpc::Status status = stub->Check(&context, request, &response);
   if (!status.ok()) return RpcFailed("Health.Check", status);
-  std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())
-                          .c_str());
+  std::printf("%s\n",
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()).c_str());
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+// Builds the request from --q_npy/--k_npy/--v_npy (and cu_seqlens), or returns false.
+bool RequestFromNpy(const attnserve::client::ShapeSpec& spec, v1::AttendRequest* request,
+                    std::string* error) {
+  const std::string q = absl::GetFlag(FLAGS_q_npy), k = absl::GetFlag(FLAGS_k_npy),
+                    v = absl::GetFlag(FLAGS_v_npy);
+  if (q.empty() || k.empty() || v.empty()) {
+    *error = "--q_npy, --k_npy and --v_npy: give all three";
+    return false;
+  }
+  const std::pair<const std::string*, v1::Tensor*> files[] = {
+      {&q, request->mutable_q()}, {&k, request->mutable_k()}, {&v, request->mutable_v()}};
+  for (const auto& [path, tensor] : files) {
+    absl::StatusOr<v1::Tensor> t = attnserve::client::ReadNpy(*path);
+    if (!t.ok()) {
+      *error = std::string(t.status().message());
+      return false;
+    }
+    *tensor = *std::move(t);
+  }
+  for (const auto& [flag, list] :
+       {std::pair{&FLAGS_cu_seqlens_q, request->mutable_cu_seqlens_q()},
+        std::pair{&FLAGS_cu_seqlens_k, request->mutable_cu_seqlens_k()}}) {
+    for (const std::string& x : absl::GetFlag(*flag)) {
+      int32_t n = 0;
+      if (!absl::SimpleAtoi(x, &n)) {
+        *error = absl::StrCat("--cu_seqlens: '", x, "' is not an integer");
+        return false;
+      }
+      list->Add(n);
+    }
+  }
+  request->set_request_id("cli-npy");
+  request->set_causal(spec.causal);
+  request->set_return_lse(spec.return_lse);
+  request->set_path(spec.path);
+  return true;
 }
 
 int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
   attnserve::client::ShapeSpec spec;
   std::string error;
   if (!ShapeFromFlags(&spec, &error)) return Usage(error);
+  if (!absl::GetFlag(FLAGS_lse_npy).empty()) spec.return_lse = true;
+  const bool from_npy = !absl::GetFlag(FLAGS_q_npy).empty() ||
+                        !absl::GetFlag(FLAGS_k_npy).empty() || !absl::GetFlag(FLAGS_v_npy).empty();
   auto stub = v1::AttentionService::NewStub(channel);
   int failures = 0;
-  for (int i = 0; i < absl::GetFlag(FLAGS_count); ++i) {
-    const v1::AttendRequest request = attnserve::client::MakeRandomRequest(
-        spec, absl::GetFlag(FLAGS_seed) + i, absl::StrCat("cli-", i));
+  for (int i = 0; i < (from_npy ? 1 : absl::GetFlag(FLAGS_count)); ++i) {
+    v1::AttendRequest request;
+    if (from_npy) {
+      if (!RequestFromNpy(spec, &request, &error)) return Usage(error);
+    } else {
+      request = attnserve::client::MakeRandomRequest(spec, absl::GetFlag(FLAGS_seed) + i,
+                                                     absl::StrCat("cli-", i));
+    }
+    if (absl::GetFlag(FLAGS_window_left) >= 0) {
+      request.set_window_left(absl::GetFlag(FLAGS_window_left));
+    }
+    if (absl::GetFlag(FLAGS_window_right) >= 0) {
+      request.set_window_right(absl::GetFlag(FLAGS_window_right));
+    }
     grpc::ClientContext context;
     factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
     v1::AttendResponse response;
@@ -166,6 +231,14 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
     const grpc::Status status = stub->Attend(&context, request, &response);
     const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     if (!status.ok()) return RpcFailed("Attend", status);
+    for (const auto& [path, tensor] : {std::pair{absl::GetFlag(FLAGS_o_npy), &response.o()},
+                                       std::pair{absl::GetFlag(FLAGS_lse_npy), &response.lse()}}) {
+      if (path.empty()) continue;
+      if (absl::Status s = attnserve::client::WriteNpy(path, *tensor); !s.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+    }
     std::string check = "unchecked";
     double max_err = -1;
     if (absl::GetFlag(FLAGS_check)) {
@@ -189,14 +262,14 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
           static_cast<long long>(response.timing().compute_us()), response.batch().requests(),
           check.c_str(), max_err);
     } else {
-      std::printf("%s: engine %s, %.2f ms (queue %lld us, compute %lld us), batch of %d, o %s, "
-                  "check %s%s\n",
-                  response.request_id().c_str(), response.engine().c_str(), ms,
-                  static_cast<long long>(response.timing().queue_us()),
-                  static_cast<long long>(response.timing().compute_us()),
-                  response.batch().requests(),
-                  absl::StrJoin(response.o().shape(), "x").c_str(), check.c_str(),
-                  max_err >= 0 ? absl::StrFormat(" (max abs error %.3g)", max_err).c_str() : "");
+      std::printf(
+          "%s: engine %s, %.2f ms (queue %lld us, compute %lld us), batch of %d, o %s, "
+          "check %s%s\n",
+          response.request_id().c_str(), response.engine().c_str(), ms,
+          static_cast<long long>(response.timing().queue_us()),
+          static_cast<long long>(response.timing().compute_us()), response.batch().requests(),
+          absl::StrJoin(response.o().shape(), "x").c_str(), check.c_str(),
+          max_err >= 0 ? absl::StrFormat(" (max abs error %.3g)", max_err).c_str() : "");
     }
   }
   return failures == 0 ? 0 : 1;

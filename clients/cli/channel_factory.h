@@ -2,11 +2,11 @@
 // and stamps the bearer token on each call.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -15,9 +15,9 @@ namespace attnserve::client {
 
 struct ChannelOptions {
   std::string target = "127.0.0.1:50051";
-  std::string tls_ca_file;        // set: TLS, trusting this CA (PEM)
-  std::string tls_server_name;    // overrides the name checked against the certificate
-  std::string auth_token;         // set: "authorization: Bearer <token>" on every call
+  std::string tls_ca_file;      // set: TLS, trusting this CA (PEM)
+  std::string tls_server_name;  // overrides the name checked against the certificate
+  std::string auth_token;       // set: "authorization: Bearer <token>" on every call
   int64_t max_message_bytes = int64_t{256} << 20;
 };
 

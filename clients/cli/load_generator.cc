@@ -23,11 +23,23 @@ double Percentile(const std::vector<double>& sorted, double q) {
 }  // namespace
 
 std::string StatusCodeName(grpc::StatusCode code) {
-  static const char* const kNames[] = {
-      "OK",        "CANCELLED",         "UNKNOWN",       "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  static const char* const kNames[] = {"OK",
+                                       "CANCELLED",
+                                       "UNKNOWN",
+                                       "INVALID_ARGUMENT",
+                                       "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND",
+                                       "ALREADY_EXISTS",
+                                       "PERMISSION_DENIED",
+                                       "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION",
+                                       "ABORTED",
+                                       "OUT_OF_RANGE",
+                                       "UNIMPLEMENTED",
+                                       "INTERNAL",
+                                       "UNAVAILABLE",
+                                       "DATA_LOSS",
+                                       "UNAUTHENTICATED"};
   const int i = static_cast<int>(code);
   return i >= 0 && i <= 16 ? kNames[i] : absl::StrCat("CODE_", i);
 }
@@ -105,19 +117,18 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
       absl::MutexLock lock(&mu);
       ++outstanding;
     }
-    stub_->async()->Attend(&call->context, &pool_[next], &call->response,
-                           [&, call](grpc::Status status) {
-                             const absl::Duration latency = absl::Now() - call->sent;
-                             absl::MutexLock lock(&mu);
-                             if (status.ok()) {
-                               samples.push_back(
-                                   {latency, call->request, call->response.batch().requests()});
-                             } else {
-                               ++errors[StatusCodeName(status.error_code())];
-                             }
-                             --outstanding;
-                             delete call;
-                           });
+    stub_->async()->Attend(
+        &call->context, &pool_[next], &call->response, [&, call](grpc::Status status) {
+          const absl::Duration latency = absl::Now() - call->sent;
+          absl::MutexLock lock(&mu);
+          if (status.ok()) {
+            samples.push_back({latency, call->request, call->response.batch().requests()});
+          } else {
+            ++errors[StatusCodeName(status.error_code())];
+          }
+          --outstanding;
+          delete call;
+        });
     next = (next + 1) % pool_.size();
     next_send += absl::Seconds(gap(rng));
   }
@@ -129,8 +140,8 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
   return Summarize("open", requests_per_s, absl::Now() - start, std::move(samples), errors);
 }
 
-LoadResult LoadGenerator::Summarize(const std::string& mode, double level,
-                                    absl::Duration elapsed, std::vector<Sample> samples,
+LoadResult LoadGenerator::Summarize(const std::string& mode, double level, absl::Duration elapsed,
+                                    std::vector<Sample> samples,
                                     const std::map<std::string, int64_t>& errors) const {
   LoadResult r;
   r.mode = mode;
@@ -168,8 +179,8 @@ std::string LoadResult::ToJson() const {
       "{\"mode\": \"%s\", \"level\": %g, \"seconds\": %.3f, \"ok\": %d, \"errors\": {%s}, "
       "\"requests_per_s\": %.2f, \"tokens_per_s\": %.1f, \"tflops\": %.6f, \"p50_ms\": %.3f, "
       "\"p90_ms\": %.3f, \"p99_ms\": %.3f, \"mean_batch_requests\": %.2f}",
-      mode, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms,
-      p99_ms, mean_batch_requests);
+      mode, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
+      mean_batch_requests);
 }
 
 std::string LoadResult::ToText() const {

@@ -4,13 +4,13 @@
 // the generator measures the server, not its own random number generation.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"

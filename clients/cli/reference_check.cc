@@ -74,13 +74,12 @@ absl::StatusOr<CheckResult> CheckAgainstReference(const v1::AttendRequest& reque
     if (err > result.max_abs_error) result.max_abs_error = err;
   }
   if (result.max_abs_error > result.tolerance) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "o: max abs error ", result.max_abs_error, " exceeds ", result.tolerance));
+    return absl::FailedPreconditionError(
+        absl::StrCat("o: max abs error ", result.max_abs_error, " exceeds ", result.tolerance));
   }
   if (response.has_lse()) {
     const v1::Tensor& l = response.lse();
-    if (l.dtype() != v1::DTYPE_FLOAT32 ||
-        l.data().size() != lse.size() * sizeof(float)) {
+    if (l.dtype() != v1::DTYPE_FLOAT32 || l.data().size() != lse.size() * sizeof(float)) {
       return absl::FailedPreconditionError("lse: expected float32 [num_heads, total_q]");
     }
     for (size_t i = 0; i < lse.size(); ++i) {

@@ -8,9 +8,9 @@
 namespace attnserve::client {
 
 struct CheckResult {
-  double max_abs_error = 0;      // over O, in float
-  double max_lse_error = 0;      // when the response carries an LSE
-  double tolerance = 0;          // what max_abs_error was held to
+  double max_abs_error = 0;  // over O, in float
+  double max_lse_error = 0;  // when the response carries an LSE
+  double tolerance = 0;      // what max_abs_error was held to
 };
 
 // FAILED_PRECONDITION when the response does not match (shape, dtype or values beyond the

@@ -22,7 +22,8 @@ void FillTensor(FuzzedDataProvider& in, attnserve::v1::Tensor* t) {
     elements *= d > 0 ? d : 1;
   }
   // Usually the right length for float32/16, sometimes off by a little.
-  const int64_t size = elements * (in.ConsumeBool() ? 4 : 2) + in.ConsumeIntegralInRange<int>(-1, 1);
+  const int64_t size =
+      elements * (in.ConsumeBool() ? 4 : 2) + in.ConsumeIntegralInRange<int>(-1, 1);
   if (size > 0 && size < (1 << 20)) t->mutable_data()->resize(static_cast<size_t>(size), '\x3c');
 }
 
@@ -63,8 +64,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (q_bytes != static_cast<int64_t>(request.q().data().size()) ||
       kv_bytes != static_cast<int64_t>(request.k().data().size()) ||
       kv_bytes != static_cast<int64_t>(request.v().data().size()) ||
-      attnserve::WorkingSetBytes(p) > limits.memory_limit_bytes ||
-      !attn::ValidateProblem(p).ok()) {
+      attnserve::WorkingSetBytes(p) > limits.memory_limit_bytes || !attn::ValidateProblem(p).ok()) {
     std::abort();  // accepted a request whose tensors do not match its problem
   }
   return 0;

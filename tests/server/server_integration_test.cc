@@ -1,5 +1,7 @@
 // Integration tests: the real attnserve binary on an ephemeral loopback port (CPU engine),
 // driven through the real client library and generated stubs.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -12,9 +14,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -154,8 +153,8 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
 
 TEST(ServerIntegration, MalformedRequestsAreRejectedNamingTheField) {
   Connection c = Connect({});
-  const v1::AttendRequest good =
-      client::MakeRandomRequest(Shape(attn::DType::kF32, 1, 4, 4, 4, 2, 16, false, false, false), 7);
+  const v1::AttendRequest good = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 4, 4, 4, 2, 16, false, false, false), 7);
   struct Case {
     const char* field;
     std::function<void(v1::AttendRequest*)> mutate;
@@ -166,18 +165,21 @@ TEST(ServerIntegration, MalformedRequestsAreRejectedNamingTheField) {
       {"k.dtype", [](v1::AttendRequest* r) { r->mutable_k()->set_dtype(v1::DTYPE_BFLOAT16); }},
       {"q.data", [](v1::AttendRequest* r) { r->mutable_q()->mutable_data()->pop_back(); }},
       {"q.shape", [](v1::AttendRequest* r) { r->mutable_q()->add_shape(1); }},
-      {"v.shape", [](v1::AttendRequest* r) {
+      {"v.shape",
+       [](v1::AttendRequest* r) {
          r->mutable_v()->set_shape(1, 3);
          r->mutable_v()->mutable_data()->resize(3 * 2 * 16 * 4);
        }},
-      {"k.shape", [](v1::AttendRequest* r) {  // 4 query heads over 3 KV heads
+      {"k.shape",
+       [](v1::AttendRequest* r) {  // 4 query heads over 3 KV heads
          for (auto* t : {r->mutable_k(), r->mutable_v()}) {
            t->set_shape(2, 3);
            t->mutable_data()->resize(4 * 3 * 16 * 4);
          }
        }},
       {"cu_seqlens_q", [](v1::AttendRequest* r) { r->add_cu_seqlens_q(0); }},
-      {"window_right", [](v1::AttendRequest* r) {
+      {"window_right",
+       [](v1::AttendRequest* r) {
          r->set_causal(true);
          r->set_window_right(3);
        }},
@@ -196,8 +198,8 @@ TEST(ServerIntegration, MalformedRequestsAreRejectedNamingTheField) {
         << "expected the message to start with '" << k.field << "': " << status.error_message();
   }
   // Varlen with a bad prefix sum.
-  v1::AttendRequest varlen = client::MakeRandomRequest(
-      Shape(attn::DType::kF32, 2, 4, 4, 2, 2, 16, false, true, false), 3);
+  v1::AttendRequest varlen =
+      client::MakeRandomRequest(Shape(attn::DType::kF32, 2, 4, 4, 2, 2, 16, false, true, false), 3);
   varlen.set_cu_seqlens_q(1, varlen.cu_seqlens_q(2) + 1);
   v1::AttendResponse response;
   grpc::Status status = c.Attend(varlen, &response);
@@ -285,9 +287,14 @@ TEST(ServerIntegration, ExpiredDeadlinesAndCancelledCallsAreDroppedBeforeCompute
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED);
 
-  // Both requests were accepted, neither was computed.
-  absl::SleepFor(absl::Milliseconds(600));  // past the batch delay: both have left the queue
-  const v1::ServerInfo info = c.Info();
+  // Both requests were accepted, neither was computed. They leave the queue when their batch
+  // closes (300 ms after the first arrived).
+  v1::ServerInfo info;
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
+    info = c.Info();
+    if (info.stats().requests_failed() + info.stats().requests_completed() >= 2) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
   EXPECT_EQ(info.stats().requests_accepted(), 2u);
   EXPECT_EQ(info.stats().requests_failed(), 2u);
   EXPECT_EQ(info.stats().requests_completed(), 0u);
@@ -299,9 +306,7 @@ TEST(ServerIntegration, BearerTokenIsRequiredWhenConfigured) {
   const int fd = mkstemp(templ);
   ASSERT_GE(fd, 0);
   close(fd);
-  {
-    std::ofstream(templ) << "s3cret-token\n";
-  }
+  { std::ofstream(templ) << "s3cret-token\n"; }
   Connection c = Connect({absl::StrCat("--auth_token_file=", templ)});
   const v1::AttendRequest request = client::MakeRandomRequest(
       Shape(attn::DType::kF32, 1, 4, 4, 2, 2, 16, false, false, false), 9);
@@ -347,10 +352,10 @@ TEST(ServerIntegration, StreamPipelinesRequestsAndTagsResponses) {
   auto stream = c.stub->AttendStream(&context);
   std::vector<v1::AttendRequest> sent;
   for (int i = 0; i < 12; ++i) {
-    const ShapeSpec s = i % 3 == 0 ? Shape(attn::DType::kF32, 1, 9 + i, 20, 4, 2, 32, true, false, true)
-                        : i % 3 == 1
-                            ? Shape(attn::DType::kBF16, 2, 5, 11, 4, 4, 64, false, true, false)
-                            : Shape(attn::DType::kF16, 1, 3, 7 + i, 2, 2, 16, false, false, true);
+    const ShapeSpec s =
+        i % 3 == 0   ? Shape(attn::DType::kF32, 1, 9 + i, 20, 4, 2, 32, true, false, true)
+        : i % 3 == 1 ? Shape(attn::DType::kBF16, 2, 5, 11, 4, 4, 64, false, true, false)
+                     : Shape(attn::DType::kF16, 1, 3, 7 + i, 2, 2, 16, false, false, true);
     sent.push_back(client::MakeRandomRequest(s, 100 + i, absl::StrCat("s", i)));
   }
   v1::AttendRequest bad = sent[0];
@@ -414,7 +419,8 @@ TEST(ServerIntegration, SigtermDuringLoadLosesNoAcceptedRequest) {
   // The server's own account: everything it accepted completed, and the client saw every one.
   const std::string log = c.server->log();
   EXPECT_TRUE(absl::StrContains(log, absl::StrCat("drained: ", ok.load(), " completed, 0 failed")))
-      << "client saw " << ok.load() << " OK\n" << log;
+      << "client saw " << ok.load() << " OK\n"
+      << log;
 }
 
 TEST(ServerIntegration, TlsServesWithTheGivenCertificate) {
