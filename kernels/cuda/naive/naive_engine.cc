@@ -12,6 +12,7 @@
 #include "attn/status_macros.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_buffer.h"
+#include "cuda/common/dispatch.h"
 #include "cuda/common/workspace_pool.h"
 #include "cuda/naive/naive_kernels.h"
 
@@ -126,6 +127,10 @@ class CudaNaiveEngine final : public Engine {
 
   absl::Status RunChunks(const AttentionProblem& p, const ForwardArgs& args, const Run& run,
                          void* workspace, int64_t workspace_bytes, cudaStream_t stream);
+  // The same chunk with one cuBLAS call per matrix and product (for unaligned tensors).
+  absl::Status RunChunkUnbatched(const AttentionProblem& p, const ForwardArgs& args,
+                                 const naive::ChunkGeometry& g, const naive::Operands& x,
+                                 cudaStream_t stream);
 
   EngineOptions options_;
   cublasHandle_t cublas_;
@@ -217,9 +222,16 @@ absl::Status CudaNaiveEngine::RunChunks(const AttentionProblem& p, const Forward
   g.k_begin = p.cu_seqlens_k[run.first_sequence];
   g.s = scores;
   g.s_matrix_stride = MatrixFloats(run);
+  // cuBLAS cannot see the alignment of matrices behind pointer arrays; unless every matrix
+  // starts 16-byte aligned, each product is issued on its own and cuBLAS checks its pointers.
+  const bool aligned = CheckFusedAlignment(p, args).ok();
   for (int64_t m0 = 0; m0 < matrices; m0 += capacity) {
     g.m0 = m0;
     g.count = std::min(capacity, matrices - m0);
+    if (!aligned) {
+      ATTN_RETURN_IF_ERROR(RunChunkUnbatched(p, args, g, x, stream));
+      continue;
+    }
     ATTN_RETURN_IF_ERROR(naive::LaunchBuildPointers(g, x, ptrs, stream));
     // S^T (lk x lq, column-major) = K_bh (d x lk)^T * Q_bh (d x lq), times the softmax scale.
     ATTN_CUBLAS_RETURN_IF_ERROR(
@@ -233,6 +245,50 @@ absl::Status CudaNaiveEngine::RunChunks(const AttentionProblem& p, const Forward
     ATTN_CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx_64(
         cublas_, CUBLAS_OP_N, CUBLAS_OP_N, d, run.lq, run.lk, &one, ptrs.a2, type, ldv, ptrs.b2,
         type, ldp, &zero, ptrs.c2, type, ldo, g.count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaNaiveEngine::RunChunkUnbatched(const AttentionProblem& p, const ForwardArgs& args,
+                                                const naive::ChunkGeometry& g,
+                                                const naive::Operands& x, cudaStream_t stream) {
+  const int d = p.head_dim;
+  const int64_t es = x.element_size;
+  const int64_t ldq = std::max<int64_t>(x.q_token_stride, d);
+  const int64_t ldk = std::max<int64_t>(x.k_token_stride, d);
+  const int64_t ldv = std::max<int64_t>(x.v_token_stride, d);
+  const int64_t ldo = std::max<int64_t>(x.o_token_stride, d);
+  const int64_t ldp = g.lk * int64_t{sizeof(float)} / es;
+  const cudaDataType type = CudaType(p.dtype);
+  const float scale = p.scale(), one = 1.f, zero = 0.f;
+  const auto at = [es](const void* base, int64_t token, int64_t token_stride, int64_t head,
+                       int64_t head_stride) {
+    return static_cast<const char*>(base) + (token * token_stride + head * head_stride) * es;
+  };
+  for (int64_t i = 0; i < g.count; ++i) {
+    const int64_t m = g.m0 + i;
+    const int64_t b = m / g.num_heads, h = m % g.num_heads, kv = h / g.group_size;
+    const int64_t q_token = g.q_begin + b * g.lq, k_token = g.k_begin + b * g.lk;
+    float* s = g.s + i * g.s_matrix_stride;
+    ATTN_CUBLAS_RETURN_IF_ERROR(
+        cublasGemmEx_64(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, g.lk, g.lq, d, &scale,
+                        at(x.k, k_token, x.k_token_stride, kv, x.k_head_stride), type, ldk,
+                        at(x.q, q_token, x.q_token_stride, h, x.q_head_stride), type, ldq, &zero, s,
+                        CUDA_R_32F, g.lk, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  ATTN_RETURN_IF_ERROR(naive::LaunchSoftmaxRows(g, p.dtype, p.effective_window_left(),
+                                                p.effective_window_right(), args.lse, p.total_q(),
+                                                stream));
+  for (int64_t i = 0; i < g.count; ++i) {
+    const int64_t m = g.m0 + i;
+    const int64_t b = m / g.num_heads, h = m % g.num_heads, kv = h / g.group_size;
+    const int64_t q_token = g.q_begin + b * g.lq, k_token = g.k_begin + b * g.lk;
+    float* s = g.s + i * g.s_matrix_stride;
+    ATTN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx_64(
+        cublas_, CUBLAS_OP_N, CUBLAS_OP_N, d, g.lq, g.lk, &one,
+        at(x.v, k_token, x.v_token_stride, kv, x.v_head_stride), type, ldv, s, type, ldp, &zero,
+        const_cast<char*>(at(x.o, q_token, x.o_token_stride, h, x.o_head_stride)), type, ldo,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   return absl::OkStatus();
 }

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""PyTorch SDPA anchors next to attn_kernel_bench, on the same GPU in the same run.
+
+Measures torch.nn.functional.scaled_dot_product_attention with each backend forced through
+torch.nn.attention.sdpa_kernel (FLASH, cuDNN, EFFICIENT, MATH) on the anchor grid of
+shared/anchors/README.md: 16k tokens per batch (batch = 16384 / N), heads = 2048 / d, inputs
+from randn, the median of triton.testing.do_bench (25 ms warm-up, 100 ms of repeats),
+FLOPs = 4 * batch * heads * N^2 * d, halved when causal.
+
+Our engines take packed [batch * N, heads, d] tensors; SDPA takes [batch, heads, N, d]. The
+inputs are allocated in our layout and handed to SDPA as transposed views: the same math on
+the same memory.
+
+Reads the JSON lines of `attn_kernel_bench --json` (--ours FILE) and prints the ratio table:
+fused / FLASH, fused / cuDNN, naive / MATH. Writes the anchor rows as JSON lines (--out FILE).
+"""
+import argparse
+import json
+import math
+import sys
+
+BACKENDS = ("FLASH", "CUDNN", "EFFICIENT", "MATH")
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ours", help="JSON lines from attn_kernel_bench --json")
+    ap.add_argument("--out", help="write the anchor measurements here as JSON lines")
+    ap.add_argument("--dtype", default="bf16,fp16")
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--n", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--backends", default="FLASH,CUDNN,MATH",
+                    help="comma list of " + ",".join(BACKENDS))
+    ap.add_argument("--math-max-n", type=int, default=4096,
+                    help="skip MATH above this N (it materialises batch*heads*N^2 scores)")
+    ap.add_argument("--warmup-ms", type=float, default=25)
+    ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--head-width", type=int, default=2048)
+    return ap.parse_args()
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def load_ours(path):
+    rows = {}
+    if not path:
+        return rows
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("bench") != "attn_kernel_bench":
+                continue
+            key = (r["dtype"], r["d"], bool(r["causal"]), r["N"])
+            rows.setdefault(key, {})[r["engine"]] = r
+    return rows
+
+
+def measure(args):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    backend_enum = {
+        "FLASH": SDPBackend.FLASH_ATTENTION,
+        "CUDNN": SDPBackend.CUDNN_ATTENTION,
+        "EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
+        "MATH": SDPBackend.MATH,
+    }
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in backend_enum:
+            sys.exit(f"sdpa_anchor: unknown backend {b} (expected {','.join(BACKENDS)})")
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}", flush=True)
+    results = {}
+    for dname in [x for x in args.dtype.split(",") if x]:
+        dtype = dtypes[dname]
+        for d in ints(args.d):
+            heads = args.head_width // d
+            for causal in [bool(c) for c in ints(args.causal)]:
+                for n in ints(args.n):
+                    batch = args.tokens // n
+                    flops = 4.0 * batch * heads * n * n * d * (0.5 if causal else 1.0)
+                    # Our packed layout [batch * N, heads, d], seen as [batch, heads, N, d].
+                    q, k, v = (torch.randn(batch * n, heads, d, device="cuda", dtype=dtype)
+                               .view(batch, n, heads, d).transpose(1, 2) for _ in range(3))
+                    for b in backends:
+                        key = (dname, d, causal, n)
+                        row = {"bench": "sdpa_anchor", "backend": b, "dtype": dname, "d": d,
+                               "causal": causal, "N": n, "batch": batch, "heads": heads}
+                        if b == "MATH" and n > args.math_max_n:
+                            row["status"] = f"skipped (N > --math-max-n {args.math_max_n})"
+                        else:
+                            try:
+                                with sdpa_kernel([backend_enum[b]]):
+                                    fn = lambda: F.scaled_dot_product_attention(
+                                        q, k, v, is_causal=causal)
+                                    fn()
+                                    torch.cuda.synchronize()
+                                    ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
+                                                  return_mode="median")
+                                row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, status="ok")
+                            except (RuntimeError, torch.OutOfMemoryError) as e:
+                                row["status"] = f"error: {str(e).splitlines()[0][:120]}"
+                            torch.cuda.empty_cache()
+                        results.setdefault(key, {})[b] = row
+                        if args.out:
+                            with open(args.out, "a") as f:
+                                f.write(json.dumps(row) + "\n")
+                    del q, k, v
+                    torch.cuda.empty_cache()
+    return results
+
+
+def tf(row):
+    if not row or row.get("status") != "ok":
+        return None
+    return row["tflops"]
+
+
+def fmt(x, digits=0):
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def main():
+    args = parse_args()
+    ours = load_ours(args.ours)
+    anchors = measure(args)
+    keys = sorted(set(anchors) | set(ours), key=lambda k: (k[0], k[1], k[2], k[3]))
+    print()
+    print("forward TFLOP/s, same GPU, same run (ratios: ours / anchor)")
+    header = ("dtype", "d", "causal", "N", "fused", "naive", "FLASH", "cuDNN", "MATH",
+              "fused/FLASH", "fused/cuDNN", "naive/MATH")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for key in keys:
+        a = anchors.get(key, {})
+        o = ours.get(key, {})
+        fused, naive = tf(o.get("fused")), tf(o.get("naive"))
+        flash, cudnn, mth = tf(a.get("FLASH")), tf(a.get("CUDNN")), tf(a.get("MATH"))
+        cells = (key[0], str(key[1]), "yes" if key[2] else "no", str(key[3]), fmt(fused),
+                 fmt(naive), fmt(flash), fmt(cudnn), fmt(mth), fmt(ratio(fused, flash), 2),
+                 fmt(ratio(fused, cudnn), 2), fmt(ratio(naive, mth), 2))
+        print("| " + " | ".join(cells) + " |")
+    failed = [(k, e) for k, r in ours.items() for e, row in r.items() if row["status"] != "ok"]
+    for k, e in failed:
+        print(f"note: ours {e} {k}: {ours[k][e]['status']}")
+
+
+if __name__ == "__main__":
+    main()
