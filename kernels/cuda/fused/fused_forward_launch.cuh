@@ -19,9 +19,8 @@ struct ElementOf<DType::kBF16> {
   using type = __nv_bfloat16;
 };
 
-template <DType kDType, int kHeadDim>
-cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream) {
-  using Traits = FusedForwardTraits<typename ElementOf<kDType>::type, kHeadDim>;
+template <typename Traits>
+cudaError_t LaunchFusedForwardKernel(const FusedForwardParams& params, cudaStream_t stream) {
   const auto kernel = &FusedForwardKernel<Traits>;
   // Above 48 KiB a kernel must opt in to its dynamic shared memory; the attribute is per
   // function and cheap to set again.
@@ -33,6 +32,12 @@ cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t strea
   if (grid.x == 0) return cudaSuccess;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+template <DType kDType, int kHeadDim>
+cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream) {
+  return LaunchFusedForwardKernel<FusedForwardTraits<typename ElementOf<kDType>::type, kHeadDim>>(
+      params, stream);
 }
 
 }  // namespace attn::cuda

@@ -6,11 +6,13 @@
 
 namespace attn::cuda {
 
-template <typename Element_, int kHeadDim_>
+// The shape defaults to the heuristic; benchmarks may instantiate others to compare.
+template <typename Element_, int kHeadDim_,
+          FusedTileShape kShape_ = FusedForwardTileShape(kHeadDim_)>
 struct FusedForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr FusedTileShape kShape = FusedForwardTileShape(kHeadDim);
+  static constexpr FusedTileShape kShape = kShape_;
   static constexpr int kBlockM = kShape.block_m;
   static constexpr int kBlockN = kShape.block_n;
   static constexpr int kWarps = kShape.warps;
