@@ -3,10 +3,12 @@
 
 namespace attn::cpu {
 
-// Query rows per work item (forward) and per inner step (backward). With d = 256 a worker's
-// float scratch (Q block, K^T and V tiles, accumulator) stays near 256 KiB, inside the L2 of the
-// build machine's EPYC cores; d = 64 uses a quarter of that.
-inline constexpr int kBlockQ = 64;
+// Query rows per work item (forward) and per inner step (backward). Each forward item converts
+// every K/V tile it streams to float, so taller blocks amortise that (perf showed the conversion
+// at about a third of the forward with 64 rows). Not tuned further: the shared build machine was
+// too loaded for fine comparisons. With d = 256 a worker's float scratch (Q block, K^T and V
+// tiles, accumulator, S) is about 420 KiB, inside the 1 MiB L2 of the build machine's EPYC cores.
+inline constexpr int kBlockQ = 128;
 // Keys per streamed K/V tile; 64 floats are four 512-bit vectors, so the row loops over a tile
 // run without a remainder on AVX-512.
 inline constexpr int kBlockK = 64;

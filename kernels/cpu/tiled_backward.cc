@@ -21,6 +21,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "cpu/float_rows.h"
+#include "cpu/micro_kernels.h"
 #include "cpu/tile_config.h"
 #include "cpu/tiled_kernels.h"
 #include "cpu/vec_math.h"
@@ -40,8 +41,8 @@ struct BackwardScratch {
         dq(kBlockQ * d),
         lse(kBlockQ),
         dsum(kBlockQ),
-        s(kBlockK),
-        dp(kBlockK),
+        s(kBlockQ * kBlockK),
+        dp(kBlockQ * kBlockK),
         row(d),
         col_begin(kBlockQ),
         col_end(kBlockQ) {}
@@ -51,11 +52,56 @@ struct BackwardScratch {
   std::vector<float> q, d_o;  // the current query block, [kBlockQ][d]
   std::vector<float> dq;      // its dQ contribution from this key block, [kBlockQ][d]
   std::vector<float> lse, dsum;
-  std::vector<float> s, dp;  // one row of S then P, and of dP then dS, [kBlockK]
+  // S then P, and dP then dS: [kBlockQ][kBlockK] (the masked path uses one row of each)
+  std::vector<float> s, dp;
   std::vector<float> row;
   std::vector<int> col_begin, col_end;
 };
 
+// The tile when every query row of the block sees every key of it (no mask inside): the five
+// products run as register-blocked block products over [rows][kBlockK] buffers of P and dS.
+ATTN_CPU_CLONES void BackwardFullTile(int rows, int d, int cols, float scale,
+                                      const float* __restrict q, const float* __restrict d_o,
+                                      const float* __restrict k, const float* __restrict kt,
+                                      const float* __restrict vt, const float* lse,
+                                      const float* dsum, float* __restrict s, float* __restrict dp,
+                                      float* __restrict dk, float* __restrict dv,
+                                      float* __restrict dq) {
+  int i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    RowsTimesPanel<4>(q + i * d, d, kt, d, s + i * kBlockK);
+    RowsTimesPanel<4>(d_o + i * d, d, vt, d, dp + i * kBlockK);
+  }
+  for (; i < rows; ++i) {
+    RowsTimesPanel<1>(q + i * d, d, kt, d, s + i * kBlockK);
+    RowsTimesPanel<1>(d_o + i * d, d, vt, d, dp + i * kBlockK);
+  }
+  for (i = 0; i < rows; ++i) {
+    float* si = s + i * kBlockK;
+    float* dpi = dp + i * kBlockK;
+    const float lse_i = lse[i], d_i = dsum[i];
+    for (int j = 0; j < kBlockK; ++j) si[j] = j < cols ? ExpFloat(si[j] * scale - lse_i) : 0.f;
+    for (int j = 0; j < kBlockK; ++j) dpi[j] = j < cols ? si[j] * (dpi[j] - d_i) : 0.f;
+  }
+  // dV += P^T dO and dK += dS^T Q: rows of the products are keys, read P and dS transposed.
+  int j = 0;
+  for (; j + 4 <= cols; j += 4) {
+    AccumulateRows<4>(s + j, 1, kBlockK, rows, d_o, d, dv + j * d, d, d);
+    AccumulateRows<4>(dp + j, 1, kBlockK, rows, q, d, dk + j * d, d, d);
+  }
+  for (; j < cols; ++j) {
+    AccumulateRows<1>(s + j, 1, kBlockK, rows, d_o, d, dv + j * d, d, d);
+    AccumulateRows<1>(dp + j, 1, kBlockK, rows, q, d, dk + j * d, d, d);
+  }
+  // dQ += dS K.
+  for (i = 0; i + 4 <= rows; i += 4) {
+    AccumulateRows<4>(dp + i * kBlockK, kBlockK, 1, cols, k, d, dq + i * d, d, d);
+  }
+  for (; i < rows; ++i)
+    AccumulateRows<1>(dp + i * kBlockK, kBlockK, 1, cols, k, d, dq + i * d, d, d);
+}
+
+// The tile when the mask cuts it: row i only touches keys [col_begin[i], col_end[i]).
 ATTN_CPU_CLONES void BackwardTile(int rows, int d, float scale, const float* __restrict q,
                                   const float* __restrict d_o, const float* __restrict k,
                                   const float* __restrict kt, const float* __restrict vt,
@@ -145,12 +191,13 @@ void BackwardKeyBlock(BackwardPass& pass, const RowBlock& kb, int kvh, BackwardS
   for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
     for (int64_t row0 = 0; row0 < lq; row0 += kBlockQ) {
       const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, lq - row0));
-      bool any = false;
+      bool any = false, full = true;
       for (int i = 0; i < rows; ++i) {
         const KeyRange r = p.visible_keys(kb.b, row0 + i);
         sc.col_begin[i] = static_cast<int>(std::clamp<int64_t>(r.begin - kb.row0, 0, cols));
         sc.col_end[i] = static_cast<int>(std::clamp<int64_t>(r.end - kb.row0, 0, cols));
         any = any || sc.col_begin[i] < sc.col_end[i];
+        full = full && sc.col_begin[i] == 0 && sc.col_end[i] == cols;
       }
       if (!any) continue;
       for (int i = 0; i < rows; ++i) {
@@ -161,10 +208,16 @@ void BackwardKeyBlock(BackwardPass& pass, const RowBlock& kb, int kvh, BackwardS
         sc.dsum[i] = pass.dsum[h * total_q + t];
       }
       std::fill(sc.dq.begin(), sc.dq.begin() + rows * d, 0.f);
-      BackwardTile(rows, d, scale, sc.q.data(), sc.d_o.data(), sc.k.data(), sc.kt.data(),
-                   sc.vt.data(), sc.lse.data(), sc.dsum.data(), sc.col_begin.data(),
-                   sc.col_end.data(), sc.s.data(), sc.dp.data(), sc.dk.data(), sc.dv.data(),
-                   sc.dq.data());
+      if (full) {
+        BackwardFullTile(rows, d, cols, scale, sc.q.data(), sc.d_o.data(), sc.k.data(),
+                         sc.kt.data(), sc.vt.data(), sc.lse.data(), sc.dsum.data(), sc.s.data(),
+                         sc.dp.data(), sc.dk.data(), sc.dv.data(), sc.dq.data());
+      } else {
+        BackwardTile(rows, d, scale, sc.q.data(), sc.d_o.data(), sc.k.data(), sc.kt.data(),
+                     sc.vt.data(), sc.lse.data(), sc.dsum.data(), sc.col_begin.data(),
+                     sc.col_end.data(), sc.s.data(), sc.dp.data(), sc.dk.data(), sc.dv.data(),
+                     sc.dq.data());
+      }
       const int64_t first = q_start + row0;
       absl::MutexLock lock(&pass.dq_locks[(first / kBlockQ * p.num_heads + h) % kDqLockStripes]);
       for (int i = 0; i < rows; ++i) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/float_rows.h"
+#include "cpu/micro_kernels.h"
 #include "cpu/tile_config.h"
 #include "cpu/tiled_kernels.h"
 #include "cpu/vec_math.h"
@@ -31,7 +32,7 @@ struct ForwardScratch {
         kt(d * kBlockK),
         v(kBlockK * d),
         acc(kBlockQ * d),
-        s(kBlockK),
+        s(kBlockQ * kBlockK),
         m(kBlockQ),
         l(kBlockQ),
         row(d),
@@ -43,15 +44,16 @@ struct ForwardScratch {
   std::vector<float> kt;   // K tile transposed, [d][kBlockK]
   std::vector<float> v;    // [kBlockK][d]
   std::vector<float> acc;  // [kBlockQ][d]
-  std::vector<float> s;    // one row of S, then of P, [kBlockK]
+  std::vector<float> s;    // S, then P: [kBlockQ][kBlockK] (the masked path uses one row)
   std::vector<float> m, l;
   std::vector<float> row;                   // staging for one converted K row
   std::vector<int64_t> key_begin, key_end;  // each row's visible keys in the sequence
   std::vector<int> col_begin, col_end;      // the same, relative to the current tile
 };
 
-// One K/V tile against the Q block: the online-softmax update of m, l and acc for every row
-// whose visible keys meet this tile ([col_begin[i], col_end[i]) of the tile's columns).
+// One K/V tile against the Q block, for tiles cut by the mask: the online-softmax update of m, l
+// and acc for every row whose visible keys meet this tile ([col_begin[i], col_end[i]) of the tile's
+// columns).
 ATTN_CPU_CLONES void ForwardTile(int rows, int d, float scale, const float* __restrict q,
                                  const float* __restrict kt, const float* __restrict v,
                                  const int* col_begin, const int* col_end, float* __restrict m,
@@ -90,6 +92,47 @@ ATTN_CPU_CLONES void ForwardTile(int rows, int d, float scale, const float* __re
   }
 }
 
+// The same update when every row of the block sees every column of the tile (no mask inside it),
+// the common case: S = Q K^T and acc += P V run as register-blocked block products.
+ATTN_CPU_CLONES void ForwardFullTile(int rows, int d, int cols, float scale,
+                                     const float* __restrict q, const float* __restrict kt,
+                                     const float* __restrict v, float* __restrict m,
+                                     float* __restrict l, float* __restrict acc,
+                                     float* __restrict s) {
+  int i = 0;
+  for (; i + 4 <= rows; i += 4) RowsTimesPanel<4>(q + i * d, d, kt, d, s + i * kBlockK);
+  for (; i < rows; ++i) RowsTimesPanel<1>(q + i * d, d, kt, d, s + i * kBlockK);
+  for (i = 0; i < rows; ++i) {
+    // Whole-panel vector loops; columns past `cols` (a short last tile) become -inf, so P = 0.
+    float* si = s + i * kBlockK;
+    for (int j = 0; j < kBlockK; ++j) si[j] = j < cols ? si[j] * scale : kNegInf;
+    V16 max16 = Load16(si);
+    for (int j = 16; j < kBlockK; j += 16) {
+      const V16 x = Load16(si + j);
+      max16 = x > max16 ? x : max16;  // NaN scores skip the max but poison P
+    }
+    float row_max = kNegInf;
+    for (int w = 0; w < 16; ++w) row_max = max16[w] > row_max ? max16[w] : row_max;
+    const float m_new = m[i] > row_max ? m[i] : row_max;
+    const float base = m_new == kNegInf ? 0.f : m_new;
+    const float alpha = ExpFloat(m[i] - base);
+    for (int j = 0; j < kBlockK; ++j) si[j] = ExpFloat(si[j] - base);  // P
+    V16 sum16 = Load16(si);
+    for (int j = 16; j < kBlockK; j += 16) sum16 += Load16(si + j);
+    float row_sum = 0.f;
+    for (int w = 0; w < 16; ++w) row_sum += sum16[w];
+    float* acc_i = acc + static_cast<int64_t>(i) * d;
+    for (int c = 0; c < d; ++c) acc_i[c] *= alpha;
+    l[i] = l[i] * alpha + row_sum;
+    m[i] = m_new;
+  }
+  for (i = 0; i + 4 <= rows; i += 4) {
+    AccumulateRows<4>(s + i * kBlockK, kBlockK, 1, cols, v, d, acc + i * d, d, d);
+  }
+  for (; i < rows; ++i)
+    AccumulateRows<1>(s + i * kBlockK, kBlockK, 1, cols, v, d, acc + i * d, d, d);
+}
+
 void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBlock& blk, int h,
                   ForwardScratch& sc) {
   const int d = p.head_dim;
@@ -121,9 +164,16 @@ void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBloc
       for (int c = 0; c < d; ++c) sc.kt[c * kBlockK + j] = sc.row[c];
       LoadRow(a.v.data, p.dtype, a.v.offset(k_start + k0 + j, kvh), d, &sc.v[j * d]);
     }
+    bool full = true;
     for (int i = 0; i < blk.rows; ++i) {
       sc.col_begin[i] = static_cast<int>(std::clamp<int64_t>(sc.key_begin[i] - k0, 0, cols));
       sc.col_end[i] = static_cast<int>(std::clamp<int64_t>(sc.key_end[i] - k0, 0, cols));
+      full = full && sc.col_begin[i] == 0 && sc.col_end[i] == cols;
+    }
+    if (full) {
+      ForwardFullTile(blk.rows, d, cols, scale, sc.q.data(), sc.kt.data(), sc.v.data(), sc.m.data(),
+                      sc.l.data(), sc.acc.data(), sc.s.data());
+      continue;
     }
     ForwardTile(blk.rows, d, scale, sc.q.data(), sc.kt.data(), sc.v.data(), sc.col_begin.data(),
                 sc.col_end.data(), sc.m.data(), sc.l.data(), sc.acc.data(), sc.s.data());
@@ -150,9 +200,12 @@ void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBloc
 void TiledForward(const AttentionProblem& p, const ForwardArgs& a, ThreadPool& pool) {
   const std::vector<RowBlock> blocks = SplitRows(p.cu_seqlens_q, kBlockQ);
   std::vector<ForwardScratch> scratch(pool.num_workers(), ForwardScratch(p.head_dim));
-  const int heads = p.num_heads;
-  pool.ParallelFor(static_cast<int64_t>(blocks.size()) * heads, [&](int worker, int64_t item) {
-    ForwardBlock(p, a, blocks[item / heads], static_cast<int>(item % heads), scratch[worker]);
+  // Head-major item order: a worker's consecutive items stream the same head's K/V, which then
+  // stays in cache.
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
+  pool.ParallelFor(num_blocks * p.num_heads, [&](int worker, int64_t item) {
+    ForwardBlock(p, a, blocks[item % num_blocks], static_cast<int>(item / num_blocks),
+                 scratch[worker]);
   });
 }
 
