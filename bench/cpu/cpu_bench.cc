@@ -177,7 +177,7 @@ bool ParseFlags(int argc, char** argv, Flags& f) {
     if (key == "--lengths") {
       f.lengths.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) {
-        int64_t n;
+        int64_t n = 0;
         ok = ok && absl::SimpleAtoi(s, &n);
         f.lengths.push_back(n);
       }

@@ -12,6 +12,10 @@ inline constexpr int kBlockQ = 128;
 // Keys per streamed K/V tile; 64 floats are four 512-bit vectors, so the row loops over a tile
 // run without a remainder on AVX-512.
 inline constexpr int kBlockK = 64;
+// Keys per backward work item (whole K/V tiles). Each item converts every query block it meets
+// and adds its dQ contribution into the shared accumulator, so wider key blocks amortise both;
+// perf showed those two at about a sixth of the backward with one tile per item.
+inline constexpr int kBackwardKeys = 2 * kBlockK;
 // Query tokens per work item of the element-wise passes (D = rowsum(dO * O), dQ store).
 inline constexpr int kRowsPerItem = 256;
 // Mutex stripes guarding the shared dQ accumulator in the backward pass.

@@ -1,11 +1,11 @@
 // Backward pass of the CPU tiled engine: recomputes P from the forward LSE, tile by tile.
 //
-// Parallel decomposition. Work items are (key block, KV head) pairs, so each item owns its rows
-// of dK and dV outright: it accumulates them in float scratch over every query head of its GQA
-// group and every query block that can see the key block, then stores them once. dQ rows, on
-// the other hand, receive a contribution from every key block; each item sums its contribution
-// for one query block in a block-sized float buffer and adds it into one shared float dQ
-// accumulator ([total_q, num_heads, head_dim]) under a striped mutex. That keeps the pass at
+// Parallel decomposition. Work items are (key block of kBackwardKeys keys, KV head) pairs, so each
+// item owns its rows of dK and dV outright: it accumulates them in float scratch over every query
+// head of its GQA group and every query block that can see the key block, then stores them once. dQ
+// rows, on the other hand, receive a contribution from every key block; each item sums its
+// contribution for one query block in a block-sized float buffer and adds it into one shared float
+// dQ accumulator ([total_q, num_heads, head_dim]) under a striped mutex. That keeps the pass at
 // five block products per tile (S, dP, dV, dK, dQ) instead of the seven a separate
 // query-partitioned dQ pass would cost, with O(N d) extra memory; the price is that the float
 // summation order of dQ, and so its last bits, can vary from run to run.
@@ -31,11 +31,11 @@ namespace {
 
 struct BackwardScratch {
   explicit BackwardScratch(int d)
-      : k(kBlockK * d),
-        kt(d * kBlockK),
-        vt(d * kBlockK),
-        dk(kBlockK * d),
-        dv(kBlockK * d),
+      : k(kBackwardKeys * d),
+        kt(d * kBackwardKeys),
+        vt(d * kBackwardKeys),
+        dk(kBackwardKeys * d),
+        dv(kBackwardKeys * d),
         q(kBlockQ * d),
         d_o(kBlockQ * d),
         dq(kBlockQ * d),
@@ -44,18 +44,21 @@ struct BackwardScratch {
         s(kBlockQ * kBlockK),
         dp(kBlockQ * kBlockK),
         row(d),
+        key_begin(kBlockQ),
+        key_end(kBlockQ),
         col_begin(kBlockQ),
         col_end(kBlockQ) {}
-  std::vector<float> k;       // [kBlockK][d]
-  std::vector<float> kt, vt;  // K and V tiles transposed, [d][kBlockK]
-  std::vector<float> dk, dv;  // this key block's accumulators, [kBlockK][d]
+  std::vector<float> k;       // [kBackwardKeys][d]
+  std::vector<float> kt, vt;  // K and V transposed tile by tile, [tile][d][kBlockK]
+  std::vector<float> dk, dv;  // this key block's accumulators, [kBackwardKeys][d]
   std::vector<float> q, d_o;  // the current query block, [kBlockQ][d]
   std::vector<float> dq;      // its dQ contribution from this key block, [kBlockQ][d]
   std::vector<float> lse, dsum;
   // S then P, and dP then dS: [kBlockQ][kBlockK] (the masked path uses one row of each)
   std::vector<float> s, dp;
   std::vector<float> row;
-  std::vector<int> col_begin, col_end;
+  std::vector<int64_t> key_begin, key_end;  // each query row's visible keys, block-relative
+  std::vector<int> col_begin, col_end;      // the same, relative to the current tile
 };
 
 // The tile when every query row of the block sees every key of it (no mask inside): the five
@@ -176,14 +179,16 @@ void BackwardKeyBlock(BackwardPass& pass, const RowBlock& kb, int kvh, BackwardS
   const int64_t q_start = p.cu_seqlens_q[kb.b];
   const int64_t k_start = p.cu_seqlens_k[kb.b] + kb.row0;
   const int64_t lq = p.seqlen_q(kb.b), total_q = p.total_q();
-  const int cols = kb.rows;
+  const int tiles = (kb.rows + kBlockK - 1) / kBlockK;
   const float scale = p.scale();
 
-  for (int j = 0; j < cols; ++j) {
+  // K row-major, K and V transposed per tile ([tile][d][kBlockK]).
+  for (int j = 0; j < kb.rows; ++j) {
+    const int64_t panel = static_cast<int64_t>(j / kBlockK) * d * kBlockK + j % kBlockK;
     LoadRow(a.k.data, p.dtype, a.k.offset(k_start + j, kvh), d, &sc.k[j * d]);
-    for (int c = 0; c < d; ++c) sc.kt[c * kBlockK + j] = sc.k[j * d + c];
+    for (int c = 0; c < d; ++c) sc.kt[panel + c * kBlockK] = sc.k[j * d + c];
     LoadRow(a.v.data, p.dtype, a.v.offset(k_start + j, kvh), d, sc.row.data());
-    for (int c = 0; c < d; ++c) sc.vt[c * kBlockK + j] = sc.row[c];
+    for (int c = 0; c < d; ++c) sc.vt[panel + c * kBlockK] = sc.row[c];
   }
   std::fill(sc.dk.begin(), sc.dk.end(), 0.f);
   std::fill(sc.dv.begin(), sc.dv.end(), 0.f);
@@ -191,13 +196,12 @@ void BackwardKeyBlock(BackwardPass& pass, const RowBlock& kb, int kvh, BackwardS
   for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
     for (int64_t row0 = 0; row0 < lq; row0 += kBlockQ) {
       const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, lq - row0));
-      bool any = false, full = true;
+      bool any = false;
       for (int i = 0; i < rows; ++i) {
         const KeyRange r = p.visible_keys(kb.b, row0 + i);
-        sc.col_begin[i] = static_cast<int>(std::clamp<int64_t>(r.begin - kb.row0, 0, cols));
-        sc.col_end[i] = static_cast<int>(std::clamp<int64_t>(r.end - kb.row0, 0, cols));
-        any = any || sc.col_begin[i] < sc.col_end[i];
-        full = full && sc.col_begin[i] == 0 && sc.col_end[i] == cols;
+        sc.key_begin[i] = r.begin - kb.row0;  // relative to the key block
+        sc.key_end[i] = r.end - kb.row0;
+        any = any || (std::max<int64_t>(r.begin, kb.row0) < std::min(r.end, kb.row0 + kb.rows));
       }
       if (!any) continue;
       for (int i = 0; i < rows; ++i) {
@@ -208,15 +212,31 @@ void BackwardKeyBlock(BackwardPass& pass, const RowBlock& kb, int kvh, BackwardS
         sc.dsum[i] = pass.dsum[h * total_q + t];
       }
       std::fill(sc.dq.begin(), sc.dq.begin() + rows * d, 0.f);
-      if (full) {
-        BackwardFullTile(rows, d, cols, scale, sc.q.data(), sc.d_o.data(), sc.k.data(),
-                         sc.kt.data(), sc.vt.data(), sc.lse.data(), sc.dsum.data(), sc.s.data(),
-                         sc.dp.data(), sc.dk.data(), sc.dv.data(), sc.dq.data());
-      } else {
-        BackwardTile(rows, d, scale, sc.q.data(), sc.d_o.data(), sc.k.data(), sc.kt.data(),
-                     sc.vt.data(), sc.lse.data(), sc.dsum.data(), sc.col_begin.data(),
-                     sc.col_end.data(), sc.s.data(), sc.dp.data(), sc.dk.data(), sc.dv.data(),
-                     sc.dq.data());
+      for (int tile = 0; tile < tiles; ++tile) {
+        const int64_t j0 = static_cast<int64_t>(tile) * kBlockK;
+        const int cols = static_cast<int>(std::min<int64_t>(kBlockK, kb.rows - j0));
+        bool tile_any = false, full = true;
+        for (int i = 0; i < rows; ++i) {
+          sc.col_begin[i] = static_cast<int>(std::clamp<int64_t>(sc.key_begin[i] - j0, 0, cols));
+          sc.col_end[i] = static_cast<int>(std::clamp<int64_t>(sc.key_end[i] - j0, 0, cols));
+          tile_any = tile_any || sc.col_begin[i] < sc.col_end[i];
+          full = full && sc.col_begin[i] == 0 && sc.col_end[i] == cols;
+        }
+        if (!tile_any) continue;
+        const float* k = &sc.k[j0 * d];
+        const float* kt = &sc.kt[tile * d * kBlockK];
+        const float* vt = &sc.vt[tile * d * kBlockK];
+        float* dk = &sc.dk[j0 * d];
+        float* dv = &sc.dv[j0 * d];
+        if (full) {
+          BackwardFullTile(rows, d, cols, scale, sc.q.data(), sc.d_o.data(), k, kt, vt,
+                           sc.lse.data(), sc.dsum.data(), sc.s.data(), sc.dp.data(), dk, dv,
+                           sc.dq.data());
+        } else {
+          BackwardTile(rows, d, scale, sc.q.data(), sc.d_o.data(), k, kt, vt, sc.lse.data(),
+                       sc.dsum.data(), sc.col_begin.data(), sc.col_end.data(), sc.s.data(),
+                       sc.dp.data(), dk, dv, sc.dq.data());
+        }
       }
       const int64_t first = q_start + row0;
       absl::MutexLock lock(&pass.dq_locks[(first / kBlockQ * p.num_heads + h) % kDqLockStripes]);
@@ -227,7 +247,7 @@ void BackwardKeyBlock(BackwardPass& pass, const RowBlock& kb, int kvh, BackwardS
       }
     }
   }
-  for (int j = 0; j < cols; ++j) {
+  for (int j = 0; j < kb.rows; ++j) {
     StoreRow(a.dk.data, p.dtype, a.dk.offset(k_start + j, kvh), d, &sc.dk[j * d], scale);
     StoreRow(a.dv.data, p.dtype, a.dv.offset(k_start + j, kvh), d, &sc.dv[j * d]);
   }
@@ -250,7 +270,7 @@ void TiledBackward(const AttentionProblem& p, const BackwardArgs& a, ThreadPool&
     ComputeDsum(pass, t0, std::min(total_q, t0 + kRowsPerItem), rows_a[worker], rows_b[worker]);
   });
 
-  const std::vector<RowBlock> key_blocks = SplitRows(p.cu_seqlens_k, kBlockK);
+  const std::vector<RowBlock> key_blocks = SplitRows(p.cu_seqlens_k, kBackwardKeys);
   std::vector<BackwardScratch> scratch(pool.num_workers(), BackwardScratch(d));
   const int kv_heads = p.num_kv_heads;
   pool.ParallelFor(static_cast<int64_t>(key_blocks.size()) * kv_heads,
