@@ -88,7 +88,7 @@ if [[ $skip != *,anchor,* ]]; then
   python3 bench/sdpa_anchor.py --ours "$out/bench.jsonl" --out "$out/sdpa.jsonl" \
     ${ANCHOR_ARGS:-} >"$out/anchor.txt" 2>&1
   say "anchor: rc=$? ($((SECONDS - start)) s)"
-  grep -E '^(\||#|note|forward)' "$out/anchor.txt" | tee -a "$summary"
+  grep -E '^(\||#|note|forward|device memory|  (bf16|fp16))' "$out/anchor.txt" | tee -a "$summary"
   tail -3 "$out/anchor.txt" | grep -iE 'error|traceback' | tee -a "$summary"
 fi
 

@@ -155,6 +155,14 @@ def main():
                  fmt(naive), fmt(flash), fmt(cudnn), fmt(mth), fmt(ratio(fused, flash), 2),
                  fmt(ratio(fused, cudnn), 2), fmt(ratio(naive, mth), 2))
         print("| " + " | ".join(cells) + " |")
+    largest = max((k[3] for k in ours), default=None)
+    if largest is not None:
+        print()
+        print(f"device memory each engine held beyond its inputs at N = {largest} (MiB)")
+        for key in [k for k in keys if k[3] == largest and k in ours]:
+            mem = {e: r.get("workspace_bytes", -1) for e, r in ours[key].items()}
+            cells = ", ".join(f"{e} {m / 2**20:.0f}" for e, m in sorted(mem.items()) if m >= 0)
+            print(f"  {key[0]} d={key[1]} causal={'yes' if key[2] else 'no'}: {cells}")
     failed = [(k, e) for k, r in ours.items() for e, row in r.items() if row["status"] != "ok"]
     for k, e in failed:
         print(f"note: ours {e} {k}: {ours[k][e]['status']}")

@@ -53,7 +53,7 @@ __global__ void BuildPointersKernel(ChunkGeometry g, Operands x, GemmPointers ou
 }
 
 // Running (max, sum of exp) pair of a softmax, merged without producing NaN from two empty
-// states (-inf - -inf); NaN scores still reach `sum`.
+// states (-inf - -inf). A NaN score is carried by `sum`, never by `max`.
 struct RowState {
   float max = -INFINITY;
   float sum = 0.f;
@@ -83,7 +83,9 @@ __global__ void __launch_bounds__(kThreads)
 
   RowState state;
   for (int64_t j = begin + lane; j < end; j += kWarpSize) {
-    state = Merge(state, RowState{s[j], 1.f});
+    const float x = s[j];
+    // fmaxf would drop a NaN score; make the sum carry it instead (NaN * 0 stays NaN).
+    state = isnan(x) ? RowState{state.max, NAN} : Merge(state, RowState{x, 1.f});
   }
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const RowState other{__shfl_xor_sync(0xffffffffu, state.max, offset),
