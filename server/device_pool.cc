@@ -1,5 +1,7 @@
 #include "server/device_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <new>
@@ -46,6 +48,21 @@ absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace
 #endif
   }
   return pool;
+}
+
+int64_t DevicePool::TotalMemoryBytes(attn::MemorySpace space, int device) {
+  if (space == attn::MemorySpace::kHost) {
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    const long page_size = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page_size > 0 ? int64_t{pages} * page_size : 0;
+  }
+#if defined(ATTN_HAVE_CUDA)
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+    return static_cast<int64_t>(prop.totalGlobalMem);
+  }
+#endif
+  return 0;
 }
 
 DevicePool::~DevicePool() {

@@ -27,6 +27,9 @@ class DevicePool {
   static absl::StatusOr<std::unique_ptr<DevicePool>> Create(attn::MemorySpace space, int device,
                                                             int64_t limit_bytes);
   ~DevicePool();
+
+  // Total memory of CUDA device `device`, or of the host for kHost; 0 when unknown.
+  static int64_t TotalMemoryBytes(attn::MemorySpace space, int device);
   DevicePool(const DevicePool&) = delete;
   DevicePool& operator=(const DevicePool&) = delete;
 

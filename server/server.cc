@@ -76,11 +76,13 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
       v1::Device* device = info.add_devices();
       device->set_name(absl::StrCat("cuda:", d));
       device->set_kind("cuda");
+      device->set_memory_bytes(DevicePool::TotalMemoryBytes(attn::MemorySpace::kDevice, d));
     }
   }
   v1::Device* cpu = info.add_devices();
   cpu->set_name("cpu");
   cpu->set_kind("cpu");
+  cpu->set_memory_bytes(DevicePool::TotalMemoryBytes(attn::MemorySpace::kHost, 0));
   for (v1::DType t : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
     info.add_dtypes(t);
   }
