@@ -20,4 +20,20 @@ constexpr FusedTileShape FusedForwardTileShape(int head_dim) {
   return {64, 64, 4};  // 256: 128 accumulators per thread already
 }
 
+// Head dims with a Hopper (wgmma) kernel; on sm_90 GPUs they run it instead of the tiles above.
+constexpr bool HasSm90FusedForward(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// The Hopper kernel's tiles (its 128 query rows are fixed: two warpgroups of 64).
+struct Sm90TileShape {
+  int block_n;      // keys per K/V tile
+  int ctas_per_sm;  // resident CTAs the register budget is sized for
+};
+
+// Measured on the H200, bf16, 2026-11-30 (docs/cuda-fused.md): at head_dim 64, two resident
+// CTAs (128 registers a thread, a few spilled) beat one by 10-28%: one CTA's softmax overlaps
+// the other's MMAs. At 128, 64-key tiles with two CTAs tie with 128-key tiles and one CTA.
+constexpr Sm90TileShape Sm90FusedTileShape(int head_dim) {
+  return head_dim <= 64 ? Sm90TileShape{128, 2} : Sm90TileShape{128, 1};
+}
+
 }  // namespace attn::cuda
