@@ -58,7 +58,7 @@ fi
 
 # 2. compute-sanitizer on a small subset of the CUDA suite (racecheck is slow).
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-filter=${SANITIZER_FILTER:-'Sweep/CudaSweepTest.*/len17_causal_bf16_d32_gqa2:Sweep/CudaSweepTest.*/varlen_empty_causal_f16_d64:Sweep/CudaSweepTest.*/window16_8_bf16_d128_gqa8:CudaNaive.Chunked*:CudaNaive.AlternatingStreams*'}
+filter=${SANITIZER_FILTER:-'Sweep/CudaSweepTest.*/len17_causal_bf16_d32_gqa2:Sweep/CudaSweepTest.*/varlen_empty_causal_f16_d64:Sweep/CudaSweepTest.*/window16_8_bf16_d128_gqa8:CudaNaive.Chunked*:CudaNaive.AlternatingStreams*:CudaNaive.Backward*:Sweep/CudaSweepTest.NaiveBackward*/varlen_padded_f32_d80_window'}
 if [[ $skip != *,sanitizer,* ]] && [[ -x $sanitizer ]] && [[ -x $bundle/bin/attn_cuda_tests ]]; then
   : >"$out/sanitizer.log"
   for tool in memcheck racecheck; do

@@ -180,12 +180,40 @@ TEST(CudaNaive, AlternatingStreamsShareTheWorkspaceSafely) {
   EXPECT_TRUE(CheckAccuracy("O(b)", p.dtype, b.o.ToDouble(), ref_b->o, &nb.o).ok());
 }
 
-TEST(CudaNaive, BackwardIsUnimplemented) {
+TEST(CudaNaive, BackwardUnderTightLimitAndEmptyQueries) {
   ATTN_SKIP_WITHOUT_CUDA();
-  auto engine = MustCreate(EngineKind::kCudaNaive);
+  // Chunked (room for about 3 of 12 score-matrix pairs), and a sequence with keys but no
+  // queries, whose dK and dV must come out zero.
+  const AttentionProblem p =
+      VarlenProblem(DType::kBF16, {177, 177, 0, 177}, {200, 200, 31, 200}, 4, 2, 64, true);
+  EngineOptions options;
+  options.workspace_limit_bytes =
+      cuda::NaiveWorkspaceBytes(p).min_bytes * 2 + p.total_k() * 4 * 64 * 4 * 2 + 4 * 177 * 200 * 8;
+  auto engine = MustCreate(EngineKind::kCudaNaive, options);
   ASSERT_NE(engine, nullptr);
-  const AttentionProblem p = DenseProblem(DType::kBF16, 1, 17, 17, 2, 2, 64);
-  EXPECT_EQ(engine->SupportsBackward(p).code(), absl::StatusCode::kUnimplemented);
+  ASSERT_TRUE(engine->SupportsBackward(p).ok()) << engine->SupportsBackward(p);
+  AttentionTensors t = AttentionTensors::Make(p, FreshSeed());
+  auto ref = RunReference(p, t, /*backward=*/true);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto cpu = MustCreate(EngineKind::kCpuReference);
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_TRUE(cpu->Forward(p, t.forward_args()).ok());
+  t.dq.Poison();
+  t.dk.Poison();
+  t.dv.Poison();
+  auto device = DeviceBackward::Upload(t);
+  ASSERT_TRUE(device.ok()) << device.status();
+  ASSERT_TRUE(engine->Backward(p, device->args()).ok());
+  ASSERT_TRUE(device->Download(t).ok());
+  const NaiveBackwardResult plain = NaiveBackward(p, t.q, t.k, t.v, t.d_o);
+  EXPECT_EQ(t.dk.CountPoisoned() + t.dv.CountPoisoned() + t.dq.CountPoisoned(), 0);
+  EXPECT_TRUE(CheckAccuracy("dQ", p.dtype, t.dq.ToDouble(), ref->dq, &plain.dq).ok());
+  EXPECT_TRUE(CheckAccuracy("dK", p.dtype, t.dk.ToDouble(), ref->dk, &plain.dk).ok());
+  EXPECT_TRUE(CheckAccuracy("dV", p.dtype, t.dv.ToDouble(), ref->dv, &plain.dv).ok());
+  for (int64_t token = 400; token < 431; ++token) {  // sequence 2's keys
+    EXPECT_EQ(t.dk.Get(token, 1, 5), 0.f) << token;
+    EXPECT_EQ(t.dv.Get(token, 0, 7), 0.f) << token;
+  }
 }
 
 }  // namespace

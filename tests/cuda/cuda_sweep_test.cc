@@ -79,6 +79,45 @@ TEST_P(CudaSweepTest, NaiveForwardMatchesReference) {
   RunAndCheck(*naive, c.problem, again);
 }
 
+TEST_P(CudaSweepTest, NaiveBackwardMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  const AttentionProblem& p = c.problem;
+  auto naive = MustCreate(EngineKind::kCudaNaive);
+  ASSERT_NE(naive, nullptr);
+  ASSERT_TRUE(naive->SupportsBackward(p).ok()) << naive->SupportsBackward(p);
+  AttentionTensors t = AttentionTensors::Make(p, seed_, c.padded);
+  auto ref = RunReference(p, t, /*backward=*/true);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  // O and the LSE as a forward pass in the problem's dtype leaves them.
+  auto cpu = MustCreate(EngineKind::kCpuReference);
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_TRUE(cpu->Forward(p, t.forward_args()).ok());
+  t.dq.Poison();
+  t.dk.Poison();
+  t.dv.Poison();
+  auto device = DeviceBackward::Upload(t);
+  ASSERT_TRUE(device.ok()) << device.status();
+  const absl::Status run = naive->Backward(p, device->args());
+  ASSERT_TRUE(run.ok()) << run;
+  ASSERT_TRUE(device->Download(t).ok());
+  for (const HostTensor* g : {&t.dq, &t.dk, &t.dv}) {
+    EXPECT_EQ(g->CountPoisoned(), 0) << "gradient elements never written";
+    EXPECT_EQ(g->CountPaddingWritten(), 0) << "gradient padding overwritten";
+  }
+  NaiveBackwardResult plain;
+  if (p.dtype != DType::kF32) plain = NaiveBackward(p, t.q, t.k, t.v, t.d_o);
+  const absl::Status dq_ok =
+      CheckAccuracy("dQ", p.dtype, t.dq.ToDouble(), ref->dq, &plain.dq, kF32BackwardRtol);
+  EXPECT_TRUE(dq_ok.ok()) << dq_ok.message();
+  const absl::Status dk_ok =
+      CheckAccuracy("dK", p.dtype, t.dk.ToDouble(), ref->dk, &plain.dk, kF32BackwardRtol);
+  EXPECT_TRUE(dk_ok.ok()) << dk_ok.message();
+  const absl::Status dv_ok =
+      CheckAccuracy("dV", p.dtype, t.dv.ToDouble(), ref->dv, &plain.dv, kF32BackwardRtol);
+  EXPECT_TRUE(dv_ok.ok()) << dv_ok.message();
+}
+
 TEST_P(CudaSweepTest, FusedForwardMatchesReference) {
   SCOPED_TRACE(trace_);
   const SweepCase& c = GetParam();

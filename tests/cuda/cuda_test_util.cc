@@ -2,6 +2,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <utility>
+
 #include "attn/status_macros.h"
 #include "cuda/common/cuda_status.h"
 #include "gtest/gtest.h"
@@ -64,6 +66,47 @@ absl::Status DeviceForward::Download(AttentionTensors& t) const {
   if (lse_.size() > 0) {
     ATTN_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(t.lse.data(), lse_.get(), lse_.size(), cudaMemcpyDeviceToHost));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceBackward> DeviceBackward::Upload(const AttentionTensors& t) {
+  DeviceBackward d;
+  ATTN_ASSIGN_OR_RETURN(d.q_, UploadBytes(t.q.data(), t.q.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.k_, UploadBytes(t.k.data(), t.k.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.v_, UploadBytes(t.v.data(), t.v.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.o_, UploadBytes(t.o.data(), t.o.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.d_o_, UploadBytes(t.d_o.data(), t.d_o.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.lse_, UploadBytes(t.lse.data(), t.lse.size() * sizeof(float)));
+  ATTN_ASSIGN_OR_RETURN(d.dq_, UploadBytes(t.dq.data(), t.dq.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.dk_, UploadBytes(t.dk.data(), t.dk.size_bytes()));
+  ATTN_ASSIGN_OR_RETURN(d.dv_, UploadBytes(t.dv.data(), t.dv.size_bytes()));
+  d.args_.q = Rebase(t.q.ref(), d.q_.get());
+  d.args_.k = Rebase(t.k.ref(), d.k_.get());
+  d.args_.v = Rebase(t.v.ref(), d.v_.get());
+  d.args_.o = Rebase(t.o.ref(), d.o_.get());
+  d.args_.d_o = Rebase(t.d_o.ref(), d.d_o_.get());
+  d.args_.lse = d.lse_.as<float>();
+  d.args_.dq = {d.dq_.get(), t.dq.token_stride(), t.dq.head_stride()};
+  d.args_.dk = {d.dk_.get(), t.dk.token_stride(), t.dk.head_stride()};
+  d.args_.dv = {d.dv_.get(), t.dv.token_stride(), t.dv.head_stride()};
+  return d;
+}
+
+BackwardArgs DeviceBackward::args(void* stream) {
+  BackwardArgs a = args_;
+  a.stream = stream;
+  return a;
+}
+
+absl::Status DeviceBackward::Download(AttentionTensors& t) const {
+  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  for (auto [host, device] :
+       {std::pair{&t.dq, &dq_}, std::pair{&t.dk, &dk_}, std::pair{&t.dv, &dv_}}) {
+    if (device->size() == 0) continue;
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(host->data(), device->get(), device->size(), cudaMemcpyDeviceToHost));
   }
   return absl::OkStatus();
 }

@@ -41,6 +41,20 @@ class DeviceForward {
   MutableTensorRef o_ref_;
 };
 
+// Device copies of the backward tensors: q, k, v, o, d_o and the LSE as inputs, and the current
+// contents of dq, dk, dv (poison them first).
+class DeviceBackward {
+ public:
+  static absl::StatusOr<DeviceBackward> Upload(const AttentionTensors& t);
+  BackwardArgs args(void* stream = nullptr);
+  // Waits for the device, then copies dq, dk, dv back into t.
+  absl::Status Download(AttentionTensors& t) const;
+
+ private:
+  cuda::DeviceBuffer q_, k_, v_, o_, d_o_, lse_, dq_, dk_, dv_;
+  BackwardArgs args_;
+};
+
 // An engine of `kind` with `options`; null (and a test failure) when it cannot be made.
 std::unique_ptr<Engine> MustCreate(EngineKind kind, const EngineOptions& options = {});
 

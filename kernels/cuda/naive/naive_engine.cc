@@ -14,6 +14,7 @@
 #include "cuda/common/device_buffer.h"
 #include "cuda/common/dispatch.h"
 #include "cuda/common/workspace_pool.h"
+#include "cuda/naive/naive_backward.h"
 #include "cuda/naive/naive_kernels.h"
 
 namespace attn::cuda {
@@ -86,10 +87,21 @@ class CudaNaiveEngine final : public Engine {
     return CheckLimit(p, NaiveWorkspaceBytes(p));
   }
   absl::Status SupportsBackward(const AttentionProblem& p) const override {
-    return absl::UnimplementedError("cuda_naive: backward is not implemented");
+    ATTN_RETURN_IF_ERROR(ValidateProblem(p));
+    const NaiveBackwardWorkspace need = NaiveBackwardWorkspaceBytes(p);
+    if (need.min_bytes > options_.workspace_limit_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cuda_naive backward: needs at least ", need.min_bytes,
+                       " bytes of device workspace, more than workspace_limit_bytes = ",
+                       options_.workspace_limit_bytes));
+    }
+    return absl::OkStatus();
   }
   absl::Status Backward(const AttentionProblem& p, const BackwardArgs& args) override {
-    return absl::UnimplementedError("cuda_naive: backward is not implemented");
+    ATTN_RETURN_IF_ERROR(ValidateBackward(p, args));
+    ScopedDevice device(options_.device);
+    ATTN_RETURN_IF_ERROR(device.status());
+    return RunNaiveBackward(cublas_, pool_, options_.workspace_limit_bytes, p, args);
   }
 
   absl::Status Forward(const AttentionProblem& p, const ForwardArgs& args) override;
