@@ -125,6 +125,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag: --", name));
     }
   }
+  if (f.dtypes.empty() || f.dims.empty() || f.lengths.empty() || f.causal.empty() ||
+      f.engines.empty()) {
+    return absl::InvalidArgumentError("every list flag needs at least one value");
+  }
   return f;
 }
 

@@ -1,7 +1,8 @@
 // The naive CUDA attention path: S = scale * Q K^T materialised in device memory by a batched
 // cuBLAS product (float32 accumulate and output), a row softmax kernel that applies the mask and
 // writes P (in the storage dtype, over S) and the LSE, then O = P V by a second batched product.
-// It covers the whole problem model and is the fused kernel's fallback and baseline.
+// It covers the whole problem model and is the fused kernel's fallback and baseline. Backward:
+// see naive_backward.h. Design and memory formula: docs/cuda-naive.md.
 #pragma once
 
 #include <cstdint>
