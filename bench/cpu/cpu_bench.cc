@@ -11,6 +11,8 @@
 // the engine's scratch and the naive's S/P and float copies included).
 //
 // FLOPs: forward 4 N^2 d heads (two matrix products), backward 2.5x that; non-causal.
+// Rates are given per wall-clock second and per CPU-second of the process (all threads): on a
+// shared machine the second says what the code does with the core time it actually received.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -18,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <new>
 #include <random>
 #include <string>
@@ -88,23 +91,46 @@ struct Flags {
   std::vector<DType> dtypes = {DType::kF32, DType::kBF16};
 };
 
-// Peak extra heap bytes and the median seconds of `repeats` calls after one warm-up call.
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+struct Measurement {
+  double wall_s;      // median wall-clock seconds per call
+  double cpu_s;       // median process CPU seconds per call (all threads)
+  double peak_bytes;  // largest extra heap bytes live during a call
+};
+
+// One warm-up call, then `repeats` measured calls.
 template <typename Fn>
-std::pair<double, double> Measure(int repeats, Fn&& fn) {
-  fn();  // warm-up
-  std::vector<double> secs;
+Measurement Measure(int repeats, Fn&& fn) {
+  fn();
+  std::vector<double> wall, cpu;
   int64_t peak_extra = 0;
   for (int r = 0; r < repeats; ++r) {
     const int64_t base = g_live.load();
     g_peak.store(base);
+    const double c0 = ProcessCpuSeconds();
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     const auto t1 = std::chrono::steady_clock::now();
+    cpu.push_back(ProcessCpuSeconds() - c0);
     peak_extra = std::max(peak_extra, g_peak.load() - base);
-    secs.push_back(std::chrono::duration<double>(t1 - t0).count());
+    wall.push_back(std::chrono::duration<double>(t1 - t0).count());
   }
-  std::sort(secs.begin(), secs.end());
-  return {secs[secs.size() / 2], static_cast<double>(peak_extra)};
+  std::sort(wall.begin(), wall.end());
+  std::sort(cpu.begin(), cpu.end());
+  return {wall[wall.size() / 2], cpu[cpu.size() / 2], static_cast<double>(peak_extra)};
+}
+
+// The four table cells of one measurement: GFLOP/s (wall), GFLOP per CPU-second, ms, peak MiB.
+std::string Cells(double flops, const Measurement& m) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "%.1f | %.1f | %.1f | %.1f", flops / m.wall_s * 1e-9,
+                flops / m.cpu_s * 1e-9, m.wall_s * 1e3, m.peak_bytes / (1024.0 * 1024.0));
+  return buf;
 }
 
 // The naive forward described at the top of the file. q, k, v and o are packed
@@ -233,10 +259,13 @@ int main(int argc, char** argv) {
       "after 1 warm-up\n",
       f.heads, f.head_dim, threads, f.repeats);
   std::printf(
-      "| dtype | N | naive fwd GFLOP/s | naive fwd ms | naive peak MiB | tiled fwd GFLOP/s "
-      "| tiled fwd ms | tiled fwd peak MiB | tiled bwd GFLOP/s | tiled bwd ms | tiled bwd "
-      "peak MiB |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
-  constexpr double kMiB = 1024.0 * 1024.0;
+      "Per engine: GFLOP/s (wall clock) | GFLOP per CPU-second (process CPU time, all threads: "
+      "what the engine does per core it actually got) | ms per call | peak scratch MiB\n\n");
+  std::printf(
+      "| dtype | N | naive fwd GFLOP/s | naive fwd GFLOP/cpu-s | naive fwd ms | naive MiB | tiled "
+      "fwd GFLOP/s | tiled fwd GFLOP/cpu-s | tiled fwd ms | tiled fwd MiB | tiled bwd GFLOP/s | "
+      "tiled bwd GFLOP/cpu-s | tiled bwd ms | tiled bwd MiB |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (DType t : f.dtypes) {
     for (int64_t n : f.lengths) {
       const int h = f.heads, d = f.head_dim;
@@ -265,30 +294,24 @@ int main(int argc, char** argv) {
 
       const double fwd_flops = 4.0 * static_cast<double>(n) * n * d * h;
       const int repeats = n >= 4096 ? std::min(f.repeats, 3) : f.repeats;
-      std::string naive_cols = "— | — | —";
+      std::string naive_cells = "— | — | — | —";
       if (n <= f.naive_max_n) {
         std::vector<uint8_t> o_naive(o.size());
-        const auto [secs, bytes] = Measure(repeats, [&] {
-          NaiveForward(t, n, h, d, threads, q.data(), k.data(), v.data(), o_naive.data());
-        });
-        char buf[128];
-        std::snprintf(buf, sizeof(buf), "%.1f | %.1f | %.1f", fwd_flops / secs * 1e-9, secs * 1e3,
-                      bytes / kMiB);
-        naive_cols = buf;
+        naive_cells =
+            Cells(fwd_flops, Measure(repeats, [&] {
+                    NaiveForward(t, n, h, d, threads, q.data(), k.data(), v.data(), o_naive.data());
+                  }));
       }
       bool failed = false;
-      const auto [fwd_secs, fwd_bytes] =
-          Measure(repeats, [&] { failed |= !engine.Forward(p, fa).ok(); });
-      const auto [bwd_secs, bwd_bytes] =
-          Measure(repeats, [&] { failed |= !engine.Backward(p, ba).ok(); });
+      const Measurement fwd = Measure(repeats, [&] { failed |= !engine.Forward(p, fa).ok(); });
+      const Measurement bwd = Measure(repeats, [&] { failed |= !engine.Backward(p, ba).ok(); });
       if (failed) {
         std::fprintf(stderr, "engine call failed at N = %lld\n", static_cast<long long>(n));
         return 1;
       }
-      std::printf("| %s | %lld | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
-                  std::string(attn::DTypeName(t)).c_str(), static_cast<long long>(n),
-                  naive_cols.c_str(), fwd_flops / fwd_secs * 1e-9, fwd_secs * 1e3, fwd_bytes / kMiB,
-                  2.5 * fwd_flops / bwd_secs * 1e-9, bwd_secs * 1e3, bwd_bytes / kMiB);
+      std::printf("| %s | %lld | %s | %s | %s |\n", std::string(attn::DTypeName(t)).c_str(),
+                  static_cast<long long>(n), naive_cells.c_str(), Cells(fwd_flops, fwd).c_str(),
+                  Cells(2.5 * fwd_flops, bwd).c_str());
       std::fflush(stdout);
     }
   }
