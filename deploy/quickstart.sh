@@ -4,8 +4,8 @@
 #
 # Today the main job is attn_local, which runs one attention problem through the tiled CPU
 # engine in-process and checks it against the float64 reference; arguments are passed on to it
-# (deploy/quickstart.sh --help lists them). When the gRPC server lands, this script starts the
-# server and sends it a request instead: it is the one place to change.
+# (deploy/quickstart.sh --help lists them). Planned: start the gRPC server and send it a request
+# instead; this script is the one place to change.
 #
 # Environment: ATTN_BUILD_DIR (default build), and those of deploy/common.sh.
 set -euo pipefail
