@@ -229,9 +229,10 @@ void Server::Drain() {
   batcher_->Stop();
   server_->Wait();
   const v1::Stats stats = metrics_.Snapshot();
-  ATTN_LOG(kInfo) << "drained: " << stats.requests_completed() << " completed, "
-                  << stats.requests_failed() << " failed, " << stats.requests_rejected()
-                  << " rejected, " << stats.batches() << " batches";
+  ATTN_LOG(kInfo) << "drained: " << stats.requests_accepted() << " accepted, "
+                  << stats.requests_completed() << " completed, " << stats.requests_failed()
+                  << " failed, " << stats.requests_rejected() << " rejected, " << stats.batches()
+                  << " batches";
 }
 
 }  // namespace attnserve

@@ -72,6 +72,7 @@ ABSL_FLAG(std::vector<std::string>, concurrency, std::vector<std::string>({"1", 
 ABSL_FLAG(std::vector<std::string>, rates, {}, "bench: open-loop request rates (requests/s)");
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(5), "bench: time per level");
 ABSL_FLAG(int, pool, 8, "bench: distinct requests to cycle through");
+ABSL_FLAG(int, channels, 4, "bench: gRPC channels (connections) the clients share round-robin");
 
 namespace {
 
@@ -284,7 +285,13 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
     pool.push_back(attnserve::client::MakeRandomRequest(spec, absl::GetFlag(FLAGS_seed) + i,
                                                         absl::StrCat("bench-", i)));
   }
-  attnserve::client::LoadGenerator generator(&factory, channel, std::move(pool),
+  std::vector<std::shared_ptr<grpc::Channel>> channels = {channel};
+  for (int i = 1; i < absl::GetFlag(FLAGS_channels); ++i) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> another = factory.Connect();
+    if (!another.ok()) return Usage(std::string(another.status().message()));
+    channels.push_back(*std::move(another));
+  }
+  attnserve::client::LoadGenerator generator(&factory, channels, std::move(pool),
                                              absl::GetFlag(FLAGS_timeout));
   std::vector<attnserve::client::LoadResult> results;
   const bool json = absl::GetFlag(FLAGS_json);

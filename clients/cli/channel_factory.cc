@@ -11,6 +11,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelFactory::Connect() const {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
+  // Each channel gets its own connection, so that a load generator with several channels is
+  // not limited to one HTTP/2 connection.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (!options_.tls_ca_file.empty()) {
     std::ifstream in(options_.tls_ca_file);

@@ -44,12 +44,11 @@ std::string StatusCodeName(grpc::StatusCode code) {
   return i >= 0 && i <= 16 ? kNames[i] : absl::StrCat("CODE_", i);
 }
 
-LoadGenerator::LoadGenerator(const ChannelFactory* factory, std::shared_ptr<grpc::Channel> channel,
+LoadGenerator::LoadGenerator(const ChannelFactory* factory,
+                             const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                              std::vector<v1::AttendRequest> pool, absl::Duration timeout)
-    : factory_(factory),
-      stub_(v1::AttentionService::NewStub(channel)),
-      pool_(std::move(pool)),
-      timeout_(timeout) {
+    : factory_(factory), pool_(std::move(pool)), timeout_(timeout) {
+  for (const auto& channel : channels) stubs_.push_back(v1::AttentionService::NewStub(channel));
   DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{1} << 40;
   for (const v1::AttendRequest& r : pool_) {
@@ -74,7 +73,8 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
         factory_->Prepare(&context, timeout_);
         v1::AttendResponse response;
         const absl::Time t0 = absl::Now();
-        const grpc::Status status = stub_->Attend(&context, pool_[next], &response);
+        const grpc::Status status =
+            stubs_[c % stubs_.size()]->Attend(&context, pool_[next], &response);
         const absl::Duration latency = absl::Now() - t0;
         absl::MutexLock lock(&mu);
         if (status.ok()) {
@@ -117,7 +117,7 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
       absl::MutexLock lock(&mu);
       ++outstanding;
     }
-    stub_->async()->Attend(
+    stubs_[next % stubs_.size()]->async()->Attend(
         &call->context, &pool_[next], &call->response, [&, call](grpc::Status status) {
           const absl::Duration latency = absl::Now() - call->sent;
           absl::MutexLock lock(&mu);

@@ -36,7 +36,9 @@ struct LoadResult {
 
 class LoadGenerator {
  public:
-  LoadGenerator(const ChannelFactory* factory, std::shared_ptr<grpc::Channel> channel,
+  // Clients and open-loop calls take the channels round-robin (each channel is a connection).
+  LoadGenerator(const ChannelFactory* factory,
+                const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                 std::vector<v1::AttendRequest> pool, absl::Duration timeout);
 
   LoadResult RunClosedLoop(int concurrency, absl::Duration duration);
@@ -53,7 +55,7 @@ class LoadGenerator {
                        const std::map<std::string, int64_t>& errors) const;
 
   const ChannelFactory* factory_;
-  std::unique_ptr<v1::AttentionService::Stub> stub_;
+  std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs_;
   std::vector<v1::AttendRequest> pool_;
   std::vector<double> flops_;
   std::vector<int64_t> tokens_;
