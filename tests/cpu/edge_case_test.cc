@@ -3,11 +3,17 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <ostream>
 
 #include "absl/strings/str_cat.h"
 #include "attn/engine.h"
 #include "common/host_tensor.h"
 #include "gtest/gtest.h"
+
+namespace attn {
+// GoogleTest prints engine kinds by name.
+inline void PrintTo(EngineKind kind, std::ostream* os) { *os << EngineKindName(kind); }
+}  // namespace attn
 
 namespace attn::testing {
 namespace {

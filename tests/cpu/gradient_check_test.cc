@@ -2,6 +2,7 @@
 // backward must be the gradient of sum(O * dO) for the forward it computes.
 #include <cmath>
 #include <memory>
+#include <ostream>
 
 #include "absl/strings/str_cat.h"
 #include "attn/engine.h"
@@ -45,6 +46,8 @@ struct GradCase {
   std::string name;
   AttentionProblem problem;
 };
+
+void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
 
 class FiniteDifferenceTest : public ::testing::TestWithParam<GradCase> {};
 

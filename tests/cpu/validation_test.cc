@@ -2,11 +2,17 @@
 // names the offending field, before touching any memory.
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include "attn/engine.h"
 #include "common/host_tensor.h"
 #include "gtest/gtest.h"
+
+namespace attn {
+// GoogleTest prints engine kinds by name.
+inline void PrintTo(EngineKind kind, std::ostream* os) { *os << EngineKindName(kind); }
+}  // namespace attn
 
 namespace attn::testing {
 namespace {
@@ -17,6 +23,8 @@ struct BadCase {
   bool backward;      // checked through Backward (else Forward)
   std::function<void(AttentionProblem&, ForwardArgs&, BackwardArgs&)> corrupt;
 };
+
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
 
 std::vector<BadCase> BadCases() {
   return {
