@@ -61,6 +61,7 @@ run_pass() {
   shift 2
   local t0 t1 t2
   t0=$(attn_now)
+  rm -f "${dir}/ctest.log"  # a stale log must not pass for this run's
   echo "==> [${name}] configure and build in ${dir}"
   if ! { attn_configure "${dir}" "$@" && attn_compile "${dir}"; }; then
     t1=$(attn_now)
