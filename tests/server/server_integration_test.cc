@@ -147,7 +147,6 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
   const v1::ServerInfo info = c.Info();
   EXPECT_GT(info.stats().batched_requests(), 0u);
   EXPECT_LT(info.stats().batches(), info.stats().requests_completed());
-  EXPECT_FALSE(info.gpu());
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
@@ -159,7 +158,7 @@ TEST(ServerIntegration, MalformedRequestsAreRejectedNamingTheField) {
     const char* field;
     std::function<void(v1::AttendRequest*)> mutate;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"q:", [](v1::AttendRequest* r) { r->clear_q(); }},
       {"q.dtype", [](v1::AttendRequest* r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); }},
       {"k.dtype", [](v1::AttendRequest* r) { r->mutable_k()->set_dtype(v1::DTYPE_BFLOAT16); }},
@@ -185,8 +184,10 @@ TEST(ServerIntegration, MalformedRequestsAreRejectedNamingTheField) {
        }},
       {"softmax_scale", [](v1::AttendRequest* r) { r->set_softmax_scale(-1.f); }},
       {"path", [](v1::AttendRequest* r) { r->set_path(static_cast<v1::Path>(42)); }},
-      {"path", [](v1::AttendRequest* r) { r->set_path(v1::PATH_FUSED); }},  // no GPU here
   };
+  if (!c.Info().gpu()) {
+    cases.push_back({"path", [](v1::AttendRequest* r) { r->set_path(v1::PATH_FUSED); }});
+  }
   for (const Case& k : cases) {
     v1::AttendRequest bad = good;
     k.mutate(&bad);
