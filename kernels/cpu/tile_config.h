@@ -4,10 +4,11 @@
 namespace attn::cpu {
 
 // Query rows per work item (forward) and per inner step (backward). Each forward item converts
-// every K/V tile it streams to float, so taller blocks amortise that (perf showed the conversion
-// at about a third of the forward with 64 rows). Not tuned further: the shared build machine was
-// too loaded for fine comparisons. With d = 256 a worker's float scratch (Q block, K^T and V
-// tiles, accumulator, S) is about 420 KiB, inside the 1 MiB L2 of the build machine's EPYC cores.
+// every K/V tile it streams to float, so taller blocks amortise that. Measured with
+// attn_cpu_bench (N = 2048, d = 64, 8 heads, 2 threads, GFLOP per CPU-second, two runs each, the
+// shared build machine loaded): 64 rows: forward 41-49, backward 60-65; 128 rows: forward 60-70,
+// backward 86-91; 256 rows: forward 57-73, backward 72-82. With d = 256 a worker's float scratch
+// (Q block, K^T and V tiles, accumulator, S) is about 420 KiB, inside the 1 MiB L2.
 inline constexpr int kBlockQ = 128;
 // Keys per streamed K/V tile; 64 floats are four 512-bit vectors, so the row loops over a tile
 // run without a remainder on AVX-512.
