@@ -15,7 +15,9 @@ inline constexpr int kBlockQ = 128;
 inline constexpr int kBlockK = 64;
 // Keys per backward work item (whole K/V tiles). Each item converts every query block it meets
 // and adds its dQ contribution into the shared accumulator, so wider key blocks amortise both;
-// perf showed those two at about a sixth of the backward with one tile per item.
+// perf showed those two at about a sixth of the backward with one tile per item. Against one or
+// four tiles per item the bench (same setting as above) could not separate 128 keys from the load
+// noise of the shared machine (backward 56-91 GFLOP per CPU-second for all three).
 inline constexpr int kBackwardKeys = 2 * kBlockK;
 // Query tokens per work item of the element-wise passes (D = rowsum(dO * O), dQ store).
 inline constexpr int kRowsPerItem = 256;
