@@ -23,7 +23,8 @@ using cuda::FusedForwardParams;
 
 class CudaFusedEngine final : public Engine {
  public:
-  explicit CudaFusedEngine(const EngineOptions& options) : options_(options) {}
+  CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel)
+      : options_(options), kernel_(kernel) {}
 
   EngineKind kind() const override { return EngineKind::kCudaFused; }
   MemorySpace memory_space() const override { return MemorySpace::kDevice; }
@@ -71,6 +72,7 @@ class CudaFusedEngine final : public Engine {
     params.window_left = p.effective_window_left();
     params.window_right = p.effective_window_right();
     params.dtype = p.dtype;
+    params.kernel = kernel_;
 
     if (p.is_uniform()) {
       params.seqlen_q = p.seqlen_q(0);
@@ -95,18 +97,20 @@ class CudaFusedEngine final : public Engine {
 
  private:
   EngineOptions options_;
+  cuda::FusedKernel kernel_;
   cuda::WorkspacePool pool_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options) {
+absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options,
+                                                             cuda::FusedKernel kernel) {
   ATTN_ASSIGN_OR_RETURN(const int devices, cuda::CountDevices());
   if (options.device < 0 || options.device >= devices) {
     return absl::UnavailableError(absl::StrCat("cuda_fused: device ", options.device,
                                                " does not exist (", devices, " devices)"));
   }
-  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options));
+  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options, kernel));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options) {

@@ -5,10 +5,13 @@
 
 #include "absl/status/statusor.h"
 #include "attn/engine.h"
+#include "cuda/fused/fused_forward.h"
 
 namespace attn {
 
-absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options);
+// `kernel` = kPortable pins the mma.sync kernel (tests and benchmarks on Hopper).
+absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(
+    const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto);
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options);
 
 }  // namespace attn

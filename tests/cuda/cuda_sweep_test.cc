@@ -14,6 +14,7 @@
 #include "common/reference.h"
 #include "common/sweep.h"
 #include "cuda/common/dispatch.h"
+#include "cuda/cuda_engines.h"
 #include "cuda/fused/fused_forward.h"
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
@@ -135,6 +136,22 @@ TEST_P(CudaSweepTest, FusedForwardMatchesReference) {
   // Padded strides are not 16-byte multiples; the fused kernel then runs on packed tensors.
   if (c.padded) t = AttentionTensors::Make(p, seed_, /*padded=*/false);
   RunAndCheck(*fused, p, t);
+}
+
+// On Hopper the engine above runs the wgmma kernel for head_dim 64/128; this covers the portable
+// mma.sync kernel (what sm_80 GPUs run) on the same problems.
+TEST_P(CudaSweepTest, FusedPortableForwardMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  const AttentionProblem& p = c.problem;
+  const absl::Status supported = cuda::FusedForwardSupports(p);
+  if (!supported.ok()) {
+    GTEST_SKIP() << "fused kernel does not cover this problem: " << supported.message();
+  }
+  auto fused = MakeCudaFusedEngine(EngineOptions{}, cuda::FusedKernel::kPortable);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  AttentionTensors t = AttentionTensors::Make(p, seed_, /*padded=*/false);
+  RunAndCheck(**fused, p, t);
 }
 
 TEST_P(CudaSweepTest, DispatcherAutoMatchesReference) {

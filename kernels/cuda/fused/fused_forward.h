@@ -10,6 +10,11 @@
 
 namespace attn::cuda {
 
+// Which implementation runs: the Hopper (wgmma) kernel where the device and the build allow it,
+// or always the portable (mma.sync) kernel, which tests and benchmarks select to cover it on
+// Hopper too.
+enum class FusedKernel : uint8_t { kAuto, kPortable };
+
 // Plain kernel parameters: device pointers, strides in elements, sizes.
 struct FusedForwardParams {
   const void* q = nullptr;
@@ -37,6 +42,7 @@ struct FusedForwardParams {
   int window_left = -1;   // effective: negative = unbounded
   int window_right = -1;  // effective: causal already folded in (0)
   DType dtype = DType::kBF16;
+  FusedKernel kernel = FusedKernel::kAuto;
 };
 
 // OK when the fused kernel covers the problem (dtype, head_dim); UNIMPLEMENTED with the reason

@@ -84,7 +84,7 @@ cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t strea
     constexpr Sm90TileShape kShape = Sm90FusedTileShape(kHeadDim);
     using Sm90Traits =
         FusedForwardSm90Traits<Element, kHeadDim, kShape.block_n, kShape.ctas_per_sm>;
-    if (Sm90KernelUsable<Sm90Traits>()) {
+    if (params.kernel == FusedKernel::kAuto && Sm90KernelUsable<Sm90Traits>()) {
       return LaunchFusedForwardSm90Kernel<Sm90Traits>(params, stream);
     }
   }
