@@ -58,7 +58,7 @@ class DevicePool {
   void Release();
 
   attn::MemorySpace space_;
-  int device_ordinal_;
+  [[maybe_unused]] int device_ordinal_;  // used by the CUDA build only
   int64_t limit_;
   int64_t capacity_ = 0;
   std::byte* host_ = nullptr;
