@@ -7,6 +7,7 @@ hand, and GetServerInfo is called with message classes built from the descriptor
 reflection returned. Exits 77 (skipped) when grpcio or protobuf are not installed.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def main():
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=30)
+        shutil.rmtree(workdir, ignore_errors=True)
     assert code == 0, f"server exit status {code}"
     print("ok")
     return 0
