@@ -15,34 +15,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/fused/block_mask.cuh"
 #include "cuda/fused/fused_forward.h"
 #include "cuda/fused/kernel_traits.h"
 #include "cuda/fused/online_softmax.cuh"
 #include "cuda/fused/ptx.cuh"
 
 namespace attn::cuda {
-
-// Where one (sequence, head) lives and which keys its query rows can see.
-struct SequenceView {
-  int64_t q_start, k_start;  // first token of the sequence in the packed tensors
-  int seqlen_q, seqlen_k;
-};
-
-__device__ __forceinline__ SequenceView LoadSequence(const FusedForwardParams& p, int b) {
-  SequenceView s;
-  if (p.cu_seqlens_q != nullptr) {
-    s.q_start = p.cu_seqlens_q[b];
-    s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.k_start = p.cu_seqlens_k[b];
-    s.seqlen_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
-  } else {
-    s.q_start = static_cast<int64_t>(b) * p.seqlen_q;
-    s.seqlen_q = static_cast<int>(p.seqlen_q);
-    s.k_start = static_cast<int64_t>(b) * p.seqlen_k;
-    s.seqlen_k = static_cast<int>(p.seqlen_k);
-  }
-  return s;
-}
 
 // Copies `rows` valid rows (of kTileRows) of a [token, head, dim] tensor into a padded shared
 // tile with 16-byte asynchronous copies; rows past `rows` are zero-filled.
@@ -83,15 +62,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
   const int rows_in_block = min(kBlockM, seq.seqlen_q - row0);
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
 
-  // Keys visible to any row of this block; rows are monotone in both window edges.
-  const int shift = seq.seqlen_k - seq.seqlen_q;  // bottom-right alignment
-  const int first_row_pos = row0 + shift;
-  const int last_row_pos = row0 + rows_in_block - 1 + shift;
-  const int key_begin = p.window_left < 0 ? 0 : max(0, first_row_pos - p.window_left);
-  const int key_end =
-      p.window_right < 0 ? seq.seqlen_k : min(seq.seqlen_k, last_row_pos + p.window_right + 1);
-  const int n_block_min = key_begin / kBlockN;
-  const int n_block_max = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : n_block_min;
+  const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
+  const int n_block_min = mask.n_block_min;
+  const int n_block_max = mask.n_block_max;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -110,16 +83,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
   const Element* v =
       static_cast<const Element*>(p.v) + seq.k_start * p.v_token_stride + kv_head * p.v_head_stride;
 
-  // Per-thread row bookkeeping: the sequence row of each of the 2 * kMTiles rows it holds, and
-  // that row's visible key range [row_key_begin, row_key_end).
-  int row_key_begin[2 * kMTiles], row_key_end[2 * kMTiles];
+  // The visible key range of each of the 2 * kMTiles rows this thread holds.
+  RowKeys row_keys[2 * kMTiles];
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
     const int row = row0 + warp * Traits::kRowsPerWarp + (r / 2) * 16 + (r % 2) * 8 + quad_row;
-    const int pos = row + shift;
-    row_key_begin[r] = p.window_left < 0 ? 0 : pos - p.window_left;
-    row_key_end[r] =
-        p.window_right < 0 ? seq.seqlen_k : min(seq.seqlen_k, pos + p.window_right + 1);
+    row_keys[r] = mask.Row(row + mask.shift);
   }
 
   float acc[kMTiles][kDTiles][4];
@@ -185,22 +154,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
         }
       }
 
-      // Mask only tiles that some row of the block does not see whole: the sequence tail, and
-      // tiles crossing the window edges of the block's last row (left) or first row (right).
-      const bool needs_mask =
-          key0 + kBlockN > seq.seqlen_k ||
-          (p.window_left >= 0 && key0 < last_row_pos - p.window_left) ||
-          (p.window_right >= 0 && key0 + kBlockN > first_row_pos + p.window_right + 1);
-      if (needs_mask) {
+      if (mask.TileNeedsMask(key0)) {
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
           for (int nj = 0; nj < kNTiles; ++nj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int r = mi * 2 + e / 2;
+              const RowKeys& keys = row_keys[mi * 2 + e / 2];
               const int key = key0 + nj * 8 + quad_col * 2 + (e & 1);
-              if (key < row_key_begin[r] || key >= row_key_end[r]) s[mi][nj][e] = -INFINITY;
+              if (key < keys.begin || key >= keys.end) s[mi][nj][e] = -INFINITY;
             }
       }
 

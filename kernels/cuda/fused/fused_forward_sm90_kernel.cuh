@@ -84,14 +84,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
   const int rows_in_block = min(kBlockM, seq.seqlen_q - row0);
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
 
-  const int shift = seq.seqlen_k - seq.seqlen_q;  // bottom-right alignment
-  const int first_row_pos = row0 + shift;
-  const int last_row_pos = row0 + rows_in_block - 1 + shift;
-  const int key_begin = p.window_left < 0 ? 0 : max(0, first_row_pos - p.window_left);
-  const int key_end =
-      p.window_right < 0 ? seq.seqlen_k : min(seq.seqlen_k, last_row_pos + p.window_right + 1);
-  const int n_block_min = key_begin / kBlockN;
-  const int n_block_max = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : n_block_min;
+  const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
+  const int n_block_min = mask.n_block_min;
+  const int n_block_max = mask.n_block_max;
 
   const int warp_group = threadIdx.x / 128;
   const int warp = (threadIdx.x % 128) / 32;  // within the warpgroup: owns 16 of its 64 rows
@@ -99,7 +94,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
   const int quad_row = lane / 4;
   const int quad_col = lane % 4;
   const int local_row = warp_group * 64 + warp * 16 + quad_row;  // + 8 for the second row
-  const int thread_row_pos = row0 + local_row + shift;
+  const int thread_row_pos = row0 + local_row + mask.shift;
 
   extern __shared__ __align__(1024) unsigned char swizzled_smem[];
   unsigned char* sQ = swizzled_smem;
@@ -175,22 +170,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
       wgmma::CommitGroup();
       wgmma::WaitGroup<0>();
 
-      const bool needs_mask =
-          key0 + kBlockN > seq.seqlen_k ||
-          (p.window_left >= 0 && key0 < last_row_pos - p.window_left) ||
-          (p.window_right >= 0 && key0 + kBlockN > first_row_pos + p.window_right + 1);
-      if (needs_mask) {
+      if (mask.TileNeedsMask(key0)) {
 #pragma unroll
-        for (int nj = 0; nj < kNTiles; ++nj)
+        for (int half = 0; half < 2; ++half) {
+          const RowKeys keys = mask.Row(thread_row_pos + half * 8);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int pos = thread_row_pos + (e / 2) * 8;
-            const int key = key0 + nj * 8 + quad_col * 2 + (e & 1);
-            const bool visible = key < seq.seqlen_k &&
-                                 (p.window_left < 0 || key >= pos - p.window_left) &&
-                                 (p.window_right < 0 || key <= pos + p.window_right);
-            if (!visible) s[0][nj][e] = -INFINITY;
-          }
+          for (int nj = 0; nj < kNTiles; ++nj)
+#pragma unroll
+            for (int e = 2 * half; e < 2 * half + 2; ++e) {
+              const int key = key0 + nj * 8 + quad_col * 2 + (e & 1);
+              if (key < keys.begin || key >= keys.end) s[0][nj][e] = -INFINITY;
+            }
+        }
       }
 
       softmax.Update(s, acc, scale_log2);
