@@ -23,6 +23,7 @@ packages+=(clang clang-format)
 # Debian's /usr/bin/python3 and the modules the integration tests use, and the real Prometheus
 # server those tests scrape with.
 packages+=(python3 python3-grpcio python3-protobuf python3-numpy python3-pytest prometheus)
+packages+=(python3-yaml)  # tests/deploy: checks of deploy/'s compose, Prometheus, Grafana, k8s files
 
 # The clang runtime package carries clang's major version in its name (libclang-rt-14-dev on
 # Debian 12); find it from the clang that is or will be installed.
