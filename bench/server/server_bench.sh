@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# End-to-end benchmark of the attnserve server: starts `attnserve` on a loopback ephemeral port,
+# drives it with `attnserve_client bench` (closed loop) for two request shapes, with dynamic
+# batching on (the server's defaults) and off (--max_batch_requests=1: one request per engine
+# call), and writes one JSON line per (shape, batching, concurrency) plus a printed table.
+#
+#   bash bench/server/server_bench.sh            # build-serverbench/ binaries, results in $OUT
+#
+# Shapes (dense, self-attention, batch 1 per request, not causal):
+#   small: N = 64,   8 heads,  d = 64,  float16   concurrency 1, 4, 16, 64
+#   large: N = 4096, 32 heads, d = 128, bfloat16  concurrency 1, 2, 4, 8
+#
+# Knobs (environment):
+#   SERVER, CLIENT   the binaries (default: on PATH, else build-serverbench/...)
+#   OUT              results folder (default /tmp/server-bench): server-bench.jsonl, table.txt,
+#                    one server log per run
+#   DURATION         closed-loop time per concurrency level (default 3s)
+#   SETS             small,large (default both)       MODES  on,off (default both)
+#   SMALL_LEVELS, LARGE_LEVELS   concurrency lists (defaults above)
+#   LARGE_N, LARGE_HEADS         override the large shape (the CPU engine needs seconds per
+#                                N = 4096 request)
+#   ENGINE           --engine of the server (default auto)
+#   SERVER_ARGS      extra server flags for every run; ON_ARGS / OFF_ARGS for one mode
+#   LEVEL_TIMEOUT    hard limit in seconds on one client run (default 120)
+#
+# Every run is bounded (`timeout` on the client, SIGTERM then SIGKILL on the server), listens on
+# 127.0.0.1 only, and the server is killed on exit whatever happens.
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+pick() { command -v "$1" 2>/dev/null || echo "$root/build-serverbench/$2/$1"; }
+server=${SERVER:-$(pick attnserve server)}
+client=${CLIENT:-$(pick attnserve_client clients/cli)}
+out=${OUT:-/tmp/server-bench}
+duration=${DURATION:-3s}
+sets=${SETS:-small,large}
+modes=${MODES:-on,off}
+level_timeout=${LEVEL_TIMEOUT:-120}
+engine=${ENGINE:-auto}
+mkdir -p "$out"
+jsonl="$out/server-bench.jsonl"
+: >"$jsonl"
+
+for b in "$server" "$client"; do
+  [[ -x $b ]] || { echo "server_bench: no executable $b (set SERVER / CLIENT)" >&2; exit 2; }
+done
+
+server_pid=""
+stop_server() {
+  [[ -n $server_pid ]] || return 0
+  kill -TERM "$server_pid" 2>/dev/null
+  for _ in $(seq 50); do
+    kill -0 "$server_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  kill -KILL "$server_pid" 2>/dev/null
+  wait "$server_pid" 2>/dev/null
+  server_pid=""
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+# start_server LOG FLAGS... -> sets $port, or returns 1
+start_server() {
+  local log=$1
+  shift
+  local port_file="$out/port.$$"
+  rm -f "$port_file"
+  "$server" --listen=127.0.0.1:0 --port_file="$port_file" --engine="$engine" --drain_timeout=5s \
+    "$@" >"$log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 150); do
+    [[ -s $port_file ]] && break
+    kill -0 "$server_pid" 2>/dev/null || { echo "server_bench: server exited, see $log" >&2; return 1; }
+    sleep 0.2
+  done
+  port=$(cat "$port_file" 2>/dev/null)
+  rm -f "$port_file"
+  [[ -n $port ]] || { echo "server_bench: no port after 30 s, see $log" >&2; return 1; }
+}
+
+echo "== $(date -u +%FT%TZ) $(hostname) $(nproc) cores; server $server"
+command -v nvidia-smi >/dev/null &&
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+IFS=, read -r -a set_list <<<"$sets"
+IFS=, read -r -a mode_list <<<"$modes"
+for set in "${set_list[@]}"; do
+  case $set in
+    small) shape=(--dtype=float16 --batch=1 --seqlen_q=64 --seqlen_k=64 --heads=8 --head_dim=64)
+           levels=${SMALL_LEVELS:-1,4,16,64}; pool=8 ;;
+    large) n=${LARGE_N:-4096}
+           shape=(--dtype=bfloat16 --batch=1 --seqlen_q="$n" --seqlen_k="$n"
+                  --heads="${LARGE_HEADS:-32}" --head_dim=128)
+           levels=${LARGE_LEVELS:-1,2,4,8}; pool=2 ;;
+    *) echo "server_bench: unknown set '$set'" >&2; exit 2 ;;
+  esac
+  for mode in "${mode_list[@]}"; do
+    case $mode in
+      on) read -r -a mode_args <<<"${ON_ARGS:-}" ;;
+      off) read -r -a mode_args <<<"--max_batch_requests=1 ${OFF_ARGS:-}" ;;
+      *) echo "server_bench: unknown mode '$mode'" >&2; exit 2 ;;
+    esac
+    read -r -a common_args <<<"${SERVER_ARGS:-}"
+    server_args=("${common_args[@]}" "${mode_args[@]}")
+    log="$out/server-$set-$mode.log"
+    start_server "$log" "${server_args[@]}" || exit 1
+    target="127.0.0.1:$port"
+    info=$("$client" info --target="$target" --json --timeout=10s 2>&1)
+    echo "-- $set, batching $mode: server ${server_args[*]:-(defaults)} on $target"
+    bench_json="$out/bench-$set-$mode.json"
+    timeout -k 5 "$level_timeout" "$client" bench --target="$target" --json \
+      --concurrency="$levels" --duration="$duration" --pool="$pool" --timeout=60s "${shape[@]}" \
+      >"$bench_json" 2>"$out/bench-$set-$mode.err"
+    rc=$?
+    stop_server
+    [[ $rc -eq 0 ]] || echo "server_bench: client exit $rc ($set, $mode), see $out/bench-$set-$mode.err" >&2
+    python3 - "$bench_json" "$set" "$mode" "${server_args[*]}" "$info" "${shape[*]}" \
+      >>"$jsonl" <<'PY'
+import json, sys
+path, set_, mode, args, info, shape = sys.argv[1:7]
+try:
+    rows = json.load(open(path))
+except Exception as e:
+    print(json.dumps({"set": set_, "mode": mode, "error": f"no bench JSON: {e}"}))
+    sys.exit(0)
+try:
+    info = json.loads(info)
+except Exception:
+    info = {}
+flags = dict(a[2:].split("=", 1) for a in shape.split())
+n, h, d = int(flags["seqlen_q"]), int(flags["heads"]), int(flags["head_dim"])
+es = 2 if flags["dtype"] in ("float16", "bfloat16") else 4
+for r in rows:
+    r.update({
+        "set": set_, "batching": mode, "server_args": args, "dtype": flags["dtype"],
+        "seqlen": n, "heads": h, "head_dim": d,
+        "request_bytes": 3 * n * h * d * es, "response_bytes": n * h * d * es,
+        "gpu": info.get("gpu", False), "engines": info.get("engines", []),
+    })
+    print(json.dumps(r))
+PY
+  done
+done
+
+python3 - "$jsonl" <<'PY' | tee "$out/table.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "p50_compute_ms" in r]
+print("| set | batching | conc | req/s | tok/s | TFLOP/s | p50 ms | p90 ms | p99 ms | batch | "
+      "compute p50 ms | queue p50 ms | overhead p50 ms | errors |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    err = sum(r["errors"].values())
+    print(f"| {r['set']} | {r['batching']} | {r['level']:g} | {r['requests_per_s']:.1f} | "
+          f"{r['tokens_per_s']:.0f} | {r['tflops']:.3f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | "
+          f"{r['p99_ms']:.2f} | {r['mean_batch_requests']:.2f} | {r['p50_compute_ms']:.3f} | "
+          f"{r['p50_queue_ms']:.3f} | {r['p50_overhead_ms']:.3f} | {err} |")
+by = {(r["set"], r["batching"], r["level"]): r for r in rows}
+print()
+small = sorted({r["level"] for r in rows if r["set"] == "small"})
+if small:
+    top = small[-1]
+    on, off = by.get(("small", "on", top)), by.get(("small", "off", top))
+    if on and off and off["requests_per_s"] > 0:
+        print(f"small, concurrency {top:g}: batching on/off throughput = "
+              f"{on['requests_per_s'] / off['requests_per_s']:.2f}x (target >= 3x)")
+    for mode in ("on", "off"):
+        r = by.get(("small", mode, 1))
+        if r:
+            print(f"small, batching {mode}, concurrency 1: p50 server overhead "
+                  f"{r['p50_overhead_ms'] * 1e3:.0f} us (end-to-end - compute_us; target < 200 us)")
+for r in rows:
+    if r["set"] != "large":
+        continue
+    mb = (r["request_bytes"] + r["response_bytes"]) / 2**20
+    gbs = (r["request_bytes"] + r["response_bytes"]) * r["requests_per_s"] / 1e9
+    print(f"large, batching {r['batching']}, conc {r['level']:g}: {mb:.0f} MiB moved per request, "
+          f"{gbs:.2f} GB/s of payload, compute {r['p50_compute_ms']:.1f} of {r['p50_ms']:.1f} ms "
+          f"end-to-end (p50)")
+PY
+echo "results: $jsonl"
