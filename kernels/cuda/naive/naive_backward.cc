@@ -12,6 +12,7 @@
 #include "cuda/common/dispatch.h"
 #include "cuda/naive/naive_backward_kernels.h"
 #include "cuda/naive/naive_kernels.h"
+#include "cuda/naive/sequence_runs.h"
 
 namespace attn::cuda {
 namespace {
@@ -20,36 +21,17 @@ using naive::ChunkGeometry;
 using naive::OperandSpec;
 using naive::OperandTable;
 
-constexpr int64_t kAlign = 256;
-constexpr int64_t kMatrixAlignFloats = 64;
-constexpr int64_t kDeviceHeadroom = int64_t{256} << 20;
-
-int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+using naive::kAlign;
+using naive::kDeviceHeadroom;
+using naive::MatrixFloats;
+using naive::RoundUp;
+using naive::SequenceRun;
+using naive::SplitRuns;
 
 // The operands of the five products, in OperandTable order.
 enum Operand : int { kK, kQ, kP, kV, kDO, kDS, kDQ, kDKAcc, kDVAcc, kNumOperands };
 constexpr int64_t kSlack = (kNumOperands + 4) * kAlign;
 
-struct SequenceRun {
-  int first_sequence;
-  int sequences;
-  int64_t lq, lk;
-};
-
-std::vector<SequenceRun> SplitRuns(const AttentionProblem& p) {
-  std::vector<SequenceRun> runs;
-  for (int b = 0; b < p.batch(); ++b) {
-    const int64_t lq = p.seqlen_q(b), lk = p.seqlen_k(b);
-    if (!runs.empty() && runs.back().lq == lq && runs.back().lk == lk) {
-      ++runs.back().sequences;
-    } else {
-      runs.push_back({b, 1, lq, lk});
-    }
-  }
-  return runs;
-}
-
-int64_t MatrixFloats(const SequenceRun& r) { return RoundUp(r.lq * r.lk, kMatrixAlignFloats); }
 // S/P and dP/dS of one (sequence, head), plus its pointer-array entries.
 int64_t BytesPerMatrix(const SequenceRun& r) {
   return 2 * MatrixFloats(r) * int64_t{sizeof(float)} + kNumOperands * int64_t{sizeof(void*)};

@@ -16,42 +16,22 @@
 #include "cuda/common/workspace_pool.h"
 #include "cuda/naive/naive_backward.h"
 #include "cuda/naive/naive_kernels.h"
+#include "cuda/naive/sequence_runs.h"
 
 namespace attn::cuda {
 namespace {
 
-constexpr int64_t kAlign = 256;             // bytes; every workspace region starts aligned
-constexpr int64_t kPointerArrays = 6;       // see naive::GemmPointers
-constexpr int64_t kMatrixAlignFloats = 64;  // score matrices start 256-byte aligned
-// Device memory left to cuBLAS and everything else when sizing the workspace from free memory.
-constexpr int64_t kDeviceHeadroom = int64_t{256} << 20;
+using naive::kAlign;
+using naive::kDeviceHeadroom;
+using naive::MatrixFloats;
+using naive::RoundUp;
+using naive::SequenceRun;
+using naive::SplitRuns;
 
-int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-
-// Consecutive sequences with the same query and key lengths.
-struct Run {
-  int first_sequence;
-  int sequences;
-  int64_t lq, lk;
-};
-
-std::vector<Run> SplitRuns(const AttentionProblem& p) {
-  std::vector<Run> runs;
-  for (int b = 0; b < p.batch(); ++b) {
-    const int64_t lq = p.seqlen_q(b), lk = p.seqlen_k(b);
-    if (!runs.empty() && runs.back().lq == lq && runs.back().lk == lk) {
-      ++runs.back().sequences;
-    } else {
-      runs.push_back({b, 1, lq, lk});
-    }
-  }
-  return runs;
-}
-
-int64_t MatrixFloats(const Run& r) { return RoundUp(r.lq * r.lk, kMatrixAlignFloats); }
+constexpr int64_t kPointerArrays = 6;  // see naive::GemmPointers
 
 // Bytes per score matrix in a chunk: the matrix and its six pointer-array entries.
-int64_t BytesPerMatrix(const Run& r) {
+int64_t BytesPerMatrix(const SequenceRun& r) {
   return MatrixFloats(r) * int64_t{sizeof(float)} + kPointerArrays * int64_t{sizeof(void*)};
 }
 
@@ -137,7 +117,7 @@ class CudaNaiveEngine final : public Engine {
     return bytes;
   }
 
-  absl::Status RunChunks(const AttentionProblem& p, const ForwardArgs& args, const Run& run,
+  absl::Status RunChunks(const AttentionProblem& p, const ForwardArgs& args, const SequenceRun& run,
                          void* workspace, int64_t workspace_bytes, cudaStream_t stream);
   // The same chunk with one cuBLAS call per matrix and product (for unaligned tensors).
   absl::Status RunChunkUnbatched(const AttentionProblem& p, const ForwardArgs& args,
@@ -160,11 +140,11 @@ absl::Status CudaNaiveEngine::Forward(const AttentionProblem& p, const ForwardAr
   const cudaStream_t stream = AsStream(args.stream);
   ATTN_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, stream));
 
-  const std::vector<Run> runs = SplitRuns(p);
+  const std::vector<SequenceRun> runs = SplitRuns(p);
   ATTN_ASSIGN_OR_RETURN(const int64_t workspace_bytes, ChooseWorkspaceBytes(p, need));
   ATTN_ASSIGN_OR_RETURN(WorkspaceLease lease,
                         pool_.Acquire(static_cast<size_t>(workspace_bytes), stream));
-  for (const Run& run : runs) {
+  for (const SequenceRun& run : runs) {
     if (run.lq == 0) continue;
     const int64_t q_begin = p.cu_seqlens_q[run.first_sequence];
     if (run.lk == 0) {
@@ -179,8 +159,8 @@ absl::Status CudaNaiveEngine::Forward(const AttentionProblem& p, const ForwardAr
 }
 
 absl::Status CudaNaiveEngine::RunChunks(const AttentionProblem& p, const ForwardArgs& args,
-                                        const Run& run, void* workspace, int64_t workspace_bytes,
-                                        cudaStream_t stream) {
+                                        const SequenceRun& run, void* workspace,
+                                        int64_t workspace_bytes, cudaStream_t stream) {
   const int64_t matrices = int64_t{run.sequences} * p.num_heads;
   const int64_t capacity =
       std::min(matrices, (workspace_bytes - kLayoutSlack) / BytesPerMatrix(run));
@@ -309,7 +289,7 @@ absl::Status CudaNaiveEngine::RunChunkUnbatched(const AttentionProblem& p, const
 
 NaiveWorkspace NaiveWorkspaceBytes(const AttentionProblem& p) {
   NaiveWorkspace need;
-  for (const Run& run : SplitRuns(p)) {
+  for (const SequenceRun& run : SplitRuns(p)) {
     if (run.lq == 0 || run.lk == 0) continue;
     const int64_t per_matrix = BytesPerMatrix(run);
     need.min_bytes = std::max(need.min_bytes, per_matrix + kLayoutSlack);
