@@ -48,11 +48,12 @@ class AttendReactor final : public grpc::ServerUnaryReactor {
     response->set_request_id(request->request_id());
     absl::Status status = service->CheckCall(*context);
     if (status.ok()) {
-      status = service->Admit(*request, response, DeadlineOf(*context), cancelled_,
-                              [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
+      status =
+          service->Admit(Metrics::Method::kAttend, *request, response, DeadlineOf(*context),
+                         cancelled_, [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
     }
     if (!status.ok()) {
-      service->metrics()->OnRejected(status);
+      service->metrics()->OnRejected(Metrics::Method::kAttend, status);
       ATTN_LOG(kDebug) << "Attend " << request->request_id() << " rejected: " << status;
       Finish(ToGrpcStatus(status));
     }
@@ -78,7 +79,7 @@ class AttendStreamReactor final
         cancelled_(std::make_shared<std::atomic<bool>>(false)) {
     const absl::Status status = service_->CheckCall(*context_);
     if (!status.ok()) {
-      service_->metrics()->OnRejected(status);
+      service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
       {
         absl::MutexLock lock(&mu_);
         finished_ = true;
@@ -106,11 +107,11 @@ class AttendStreamReactor final
       absl::MutexLock lock(&mu_);
       ++outstanding_;
     }
-    const absl::Status status =
-        service_->Admit(call->request, &call->response, DeadlineOf(*context_), cancelled_,
-                        [this, call](const absl::Status& s) { Complete(call, s); });
+    const absl::Status status = service_->Admit(
+        Metrics::Method::kAttendStream, call->request, &call->response, DeadlineOf(*context_),
+        cancelled_, [this, call](const absl::Status& s) { Complete(call, s); });
     if (!status.ok()) {
-      service_->metrics()->OnRejected(status);
+      service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
       Complete(call, status);
     }
     StartRead(&incoming_);
@@ -234,14 +235,31 @@ absl::Status AttentionService::CheckCall(const grpc::CallbackServerContext& cont
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> AttentionService::ChooseEngine(const DecodedRequest& request) {
+absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
+    const DecodedRequest& request) {
   absl::Status last = absl::InvalidArgumentError(
       absl::StrCat("path: ", v1::Path_Name(request.path), " is not available on this server"));
+  // For the metrics: why the chosen engine, when AUTO passed over a GPU engine or had none.
+  const bool automatic = request.path == v1::PATH_AUTO;
+  Metrics::PathReason reason = Metrics::PathReason::kNoGpu;
+  bool refused = false;
+  for (attn::EngineKind kind : kinds_) {
+    if (kind == attn::EngineKind::kCudaFused || kind == attn::EngineKind::kCudaNaive) {
+      reason = Metrics::PathReason::kAuto;
+    }
+  }
   absl::MutexLock lock(&probes_mu_);
   for (size_t i = 0; i < probes_.size(); ++i) {
     if (!PathRuns(request.path, kinds_[i])) continue;
     absl::Status s = probes_[i]->SupportsForward(request.problem);
-    if (s.ok()) return static_cast<int>(i);
+    if (s.ok()) {
+      return EngineChoice{static_cast<int>(i),
+                          automatic ? reason : Metrics::PathReason::kRequested};
+    }
+    if (automatic && !refused) {
+      refused = true;
+      reason = Metrics::FallbackReason(s);
+    }
     if (absl::IsUnimplemented(s)) s = absl::InvalidArgumentError(s.message());
     last = absl::Status(
         s.code(), absl::StrCat(s.message(), " (engine ", std::string(probes_[i]->name()), ")"));
@@ -249,18 +267,20 @@ absl::StatusOr<int> AttentionService::ChooseEngine(const DecodedRequest& request
   return last;
 }
 
-absl::Status AttentionService::Admit(const v1::AttendRequest& request, v1::AttendResponse* response,
-                                     absl::Time deadline,
+absl::Status AttentionService::Admit(Metrics::Method method, const v1::AttendRequest& request,
+                                     v1::AttendResponse* response, absl::Time deadline,
                                      std::shared_ptr<const std::atomic<bool>> cancelled,
                                      std::function<void(const absl::Status&)> done) {
   absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(request, options_.limits);
   if (!decoded.ok()) return decoded.status();
-  absl::StatusOr<int> engine = ChooseEngine(*decoded);
+  absl::StatusOr<EngineChoice> engine = ChooseEngine(*decoded);
   if (!engine.ok()) return engine.status();
 
   auto item = std::make_unique<WorkItem>();
   item->request = *std::move(decoded);
-  item->engine = *engine;
+  item->engine = engine->index;
+  item->method = method;
+  item->path_reason = engine->reason;
   item->response = response;
   item->accepted = absl::Now();
   item->deadline = deadline;

@@ -49,13 +49,18 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   absl::Status CheckCall(const grpc::CallbackServerContext& context) const;
   // Validates the request and queues it; `done` runs once the response is filled (OK) or the
   // request failed. On error `done` is not called and nothing was queued.
-  absl::Status Admit(const v1::AttendRequest& request, v1::AttendResponse* response,
-                     absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
+  absl::Status Admit(Metrics::Method method, const v1::AttendRequest& request,
+                     v1::AttendResponse* response, absl::Time deadline,
+                     std::shared_ptr<const std::atomic<bool>> cancelled,
                      std::function<void(const absl::Status&)> done);
   Metrics* metrics() { return metrics_; }
 
  private:
-  absl::StatusOr<int> ChooseEngine(const DecodedRequest& request);
+  struct EngineChoice {
+    int index = 0;  // into probes_ and every lane's engines
+    Metrics::PathReason reason = Metrics::PathReason::kAuto;
+  };
+  absl::StatusOr<EngineChoice> ChooseEngine(const DecodedRequest& request);
 
   const Options options_;
   Batcher* const batcher_;

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "attn/status_macros.h"
 
@@ -54,6 +55,7 @@ absl::Status Batcher::Submit(std::unique_ptr<WorkItem> item) {
                                                      " requests waiting); retry with backoff"));
   }
   queue_.push_back(std::move(item));
+  metrics_->OnQueued();
   return absl::OkStatus();
 }
 
@@ -107,6 +109,7 @@ Batcher::Batch Batcher::TakeBatch() {
     it = queue_.erase(it);
     if (static_cast<int>(batch.size()) >= options_.max_batch_requests) break;
   }
+  metrics_->OnDequeued(static_cast<int>(batch.size()));
   return batch;
 }
 
@@ -139,7 +142,7 @@ void Batcher::RunBatch(Lane& lane, Batch batch) {
                                                          " in the queue; dropped before compute"));
     }
     if (!dropped.ok()) {
-      metrics_->OnFinished(dropped, now - item->accepted, now - item->accepted);
+      metrics_->OnFinished(item->method, dropped, now - item->accepted, now - item->accepted);
       item->done(dropped);
     } else {
       live.push_back(std::move(item));
@@ -148,13 +151,16 @@ void Batcher::RunBatch(Lane& lane, Batch batch) {
   if (live.empty()) return;
 
   int64_t tokens = 0;
-  for (const auto& item : live) tokens += item->request.tokens();
+  for (const auto& item : live) {
+    tokens += item->request.tokens();
+    metrics_->OnPath(lane.engines[item->engine]->kind(), item->path_reason);
+  }
   const uint64_t batch_id = next_batch_id_.fetch_add(1);
   const absl::Status status = Execute(lane, live, batch_id, tokens, now);
   const absl::Time end = absl::Now();
-  metrics_->OnBatch(static_cast<int>(live.size()), tokens, end - now);
+  metrics_->OnBatch(static_cast<int>(live.size()));
   for (auto& item : live) {
-    metrics_->OnFinished(status, now - item->accepted, end - item->accepted);
+    metrics_->OnFinished(item->method, status, now - item->accepted, end - item->accepted);
     item->done(status);
   }
 }
@@ -194,7 +200,21 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
                                                                          : lane.host_pool.get();
   if (pool == nullptr) return absl::InternalError("batcher: lane has no pool for the engine");
   ATTN_RETURN_IF_ERROR(pool->Activate());
+  const int64_t reserved_before = pool->capacity();
   ATTN_RETURN_IF_ERROR(pool->Reserve(end));
+  // A device pool holds a pinned host region and a device region of the same size.
+  const std::string device_label = pool->label();
+  const bool device_pool = pool->space() == attn::MemorySpace::kDevice;
+  auto account = [&](void (Metrics::*hook)(std::string_view, Metrics::Memory, int64_t),
+                     int64_t delta) {
+    (metrics_->*hook)(device_label, Metrics::Memory::kHost, delta);
+    if (device_pool) (metrics_->*hook)(device_label, Metrics::Memory::kDevice, delta);
+  };
+  if (pool->capacity() != reserved_before) {
+    account(&Metrics::OnPoolReserved, pool->capacity() - reserved_before);
+  }
+  account(&Metrics::OnPoolInUse, end);
+  absl::Cleanup release_in_use = [&] { account(&Metrics::OnPoolInUse, -end); };
 
   std::byte* host = pool->host();
   {
@@ -220,10 +240,28 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
   args.o = attn::Packed<void*>(dev + o_off, p.num_heads, p.head_dim);
   args.lse = want_lse ? reinterpret_cast<float*>(dev + lse_off) : nullptr;
   args.stream = pool->stream();
+  ATTN_RETURN_IF_ERROR(pool->StartComputeTimer());
   ATTN_RETURN_IF_ERROR(engine.Forward(p, args));
+  ATTN_RETURN_IF_ERROR(pool->StopComputeTimer());
   ATTN_RETURN_IF_ERROR(pool->CopyToHost(o_off, end - o_off));
   ATTN_RETURN_IF_ERROR(pool->Synchronize());
   const absl::Time computed = absl::Now();
+
+  Metrics::Launch launch;
+  launch.engine = engine.kind();
+  launch.requests = static_cast<int>(batch.size());
+  launch.query_tokens = total_q;
+  launch.key_tokens = total_k;
+  launch.flops = p.forward_flops();
+  launch.fused_io_bytes = FusedIoBytes(p, want_lse);
+  launch.naive_io_bytes = NaiveIoBytes(p, want_lse);
+  ATTN_ASSIGN_OR_RETURN(launch.compute, pool->ComputeTime());
+  metrics_->OnLaunch(launch);
+  if (device_pool) {
+    int64_t used = 0, total = 0;
+    ATTN_RETURN_IF_ERROR(pool->DeviceMemory(&used, &total));
+    metrics_->OnDeviceMemory(device_label, used, total);
+  }
 
   // Split back: each request's O rows, and its columns of the [heads, total_q] LSE.
   int64_t q_first = 0;

@@ -39,7 +39,9 @@ struct WorkItem {
   v1::AttendResponse* response = nullptr;  // filled in before done(OK)
   absl::Time accepted;
   absl::Time deadline = absl::InfiniteFuture();
-  std::shared_ptr<const std::atomic<bool>> cancelled;  // set when the client goes away
+  Metrics::Method method = Metrics::Method::kAttend;             // for the metrics' labels
+  Metrics::PathReason path_reason = Metrics::PathReason::kAuto;  // why this engine
+  std::shared_ptr<const std::atomic<bool>> cancelled;            // set when the client goes away
   // Runs exactly once, on a lane thread, after which the batcher forgets the item.
   std::function<void(const absl::Status&)> done;
 };

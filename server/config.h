@@ -33,6 +33,13 @@ struct Config {
 
   absl::Duration drain_timeout = absl::Seconds(30);
 
+  // Prometheus exporter: http://metrics_address/metrics. Port 0 picks a free port; empty
+  // disables it. When not `metrics_required` (main.cc: the flag holds its default), an
+  // address that cannot be bound is a warning and the server runs without the exporter.
+  std::string metrics_address = "0.0.0.0:9464";
+  std::string metrics_port_file;  // when set, the bound metrics port is written here
+  bool metrics_required = true;
+
   // Names the first flag that is out of range.
   absl::Status Validate() const;
 };

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 #if defined(ATTN_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -43,6 +44,11 @@ absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace
       return s;
     }
     pool->stream_ = stream;
+    for (void** event : {&pool->compute_start_, &pool->compute_stop_}) {
+      cudaEvent_t e = nullptr;
+      if (auto s = CudaCheck(cudaEventCreate(&e), "cudaEventCreate"); !s.ok()) return s;
+      *event = e;
+    }
 #else
     return absl::UnavailableError("device pool: this build has no CUDA support");
 #endif
@@ -68,7 +74,73 @@ int64_t DevicePool::TotalMemoryBytes(attn::MemorySpace space, int device) {
 DevicePool::~DevicePool() {
   Release();
 #if defined(ATTN_HAVE_CUDA)
+  for (void* event : {compute_start_, compute_stop_}) {
+    if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  }
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+#endif
+}
+
+std::string DevicePool::label() const {
+  return space_ == attn::MemorySpace::kDevice ? absl::StrCat("cuda:", device_ordinal_) : "cpu";
+}
+
+absl::Status DevicePool::StartComputeTimer() {
+  if (space_ != attn::MemorySpace::kDevice) {
+    host_start_ = absl::Now();
+    return absl::OkStatus();
+  }
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(
+      cudaEventRecord(static_cast<cudaEvent_t>(compute_start_), static_cast<cudaStream_t>(stream_)),
+      "cudaEventRecord");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::StopComputeTimer() {
+  if (space_ != attn::MemorySpace::kDevice) {
+    host_stop_ = absl::Now();
+    return absl::OkStatus();
+  }
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(
+      cudaEventRecord(static_cast<cudaEvent_t>(compute_stop_), static_cast<cudaStream_t>(stream_)),
+      "cudaEventRecord");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::StatusOr<absl::Duration> DevicePool::ComputeTime() const {
+  if (space_ != attn::MemorySpace::kDevice) return host_stop_ - host_start_;
+#if defined(ATTN_HAVE_CUDA)
+  float ms = 0;
+  if (auto s = CudaCheck(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(compute_start_),
+                                              static_cast<cudaEvent_t>(compute_stop_)),
+                         "cudaEventElapsedTime");
+      !s.ok()) {
+    return s;
+  }
+  return absl::Microseconds(static_cast<double>(ms) * 1000.0);
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::DeviceMemory(int64_t* used_bytes, int64_t* total_bytes) const {
+  if (space_ != attn::MemorySpace::kDevice) {
+    return absl::FailedPreconditionError("device pool: host pools have no device memory");
+  }
+#if defined(ATTN_HAVE_CUDA)
+  size_t free = 0, total = 0;
+  if (auto s = CudaCheck(cudaMemGetInfo(&free, &total), "cudaMemGetInfo"); !s.ok()) return s;
+  *used_bytes = static_cast<int64_t>(total - free);
+  *total_bytes = static_cast<int64_t>(total);
+  return absl::OkStatus();
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
 #endif
 }
 

@@ -15,8 +15,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "attn/engine.h"
 
 namespace attnserve {
@@ -43,6 +45,20 @@ class DevicePool {
   // cudaStream_t as void*, null for host engines.
   void* stream() { return stream_; }
   int64_t capacity() const { return capacity_; }
+  attn::MemorySpace space() const { return space_; }
+  // The metrics' device label: "cuda:N" for device pools, "cpu" for host pools.
+  std::string label() const;
+
+  // Brackets an engine call to time it: CUDA events recorded on stream() for device pools, the
+  // host clock for host pools (host engines are synchronous). ComputeTime is valid after
+  // Synchronize().
+  absl::Status StartComputeTimer();
+  absl::Status StopComputeTimer();
+  absl::StatusOr<absl::Duration> ComputeTime() const;
+
+  // The device's used (total - free) and total memory (cudaMemGetInfo); device pools only, with
+  // the pool's device current (Activate).
+  absl::Status DeviceMemory(int64_t* used_bytes, int64_t* total_bytes) const;
 
   // Makes the pool's device current on the calling thread (lane threads call it per batch).
   absl::Status Activate();
@@ -58,12 +74,16 @@ class DevicePool {
   void Release();
 
   attn::MemorySpace space_;
-  [[maybe_unused]] int device_ordinal_;  // used by the CUDA build only
+  int device_ordinal_;
   int64_t limit_;
   int64_t capacity_ = 0;
   std::byte* host_ = nullptr;
   std::byte* device_ = nullptr;
   void* stream_ = nullptr;
+  void* compute_start_ = nullptr;  // cudaEvent_t, device pools only
+  void* compute_stop_ = nullptr;
+  absl::Time host_start_;
+  absl::Time host_stop_;
 };
 
 }  // namespace attnserve

@@ -47,6 +47,11 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "(authorization: Bearer <token>); health and reflection stay open");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT, how long accepted calls get to finish");
+constexpr char kDefaultMetricsAddress[] = "0.0.0.0:9464";
+ABSL_FLAG(std::string, metrics_address, kDefaultMetricsAddress,
+          "Prometheus /metrics listen address; port 0 picks a free one; empty disables it");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "Write the bound metrics port to this file once listening");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
 namespace {
@@ -84,6 +89,11 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
     }
   }
   c.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  // Servers started side by side (tests, a second instance) must not fail over the default
+  // port; an address someone chose must work.
+  c.metrics_required = c.metrics_address != kDefaultMetricsAddress;
   return c;
 }
 

@@ -1,12 +1,256 @@
 #include "server/metrics.h"
 
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <algorithm>
+#include <exception>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "attn/dtype.h"
+
 namespace attnserve {
+namespace {
+
+// Latency buckets, 10 us to 50 s in 1-2.5-5 steps: a CPU launch of a few tokens takes tens of
+// microseconds, a queue stuck behind a long batch tens of seconds.
+const std::vector<double>& LatencyBuckets() {
+  static const std::vector<double> buckets = [] {
+    std::vector<double> b;
+    for (double decade = 1e-5; decade < 100; decade *= 10) {
+      for (double step : {1.0, 2.5, 5.0}) b.push_back(decade * step);
+    }
+    return b;
+  }();
+  return buckets;
+}
+
+// Requests per launch: powers of two up to beyond --max_batch_requests' default of 32.
+const std::vector<double>& RequestBuckets() {
+  static const std::vector<double> buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+  return buckets;
+}
+
+// Query + key tokens per launch: powers of four, 16 to 1 Mi (--max_batch_tokens: 16 Ki).
+const std::vector<double>& TokenBuckets() {
+  static const std::vector<double> buckets = {16,    64,    256,    1024,   4096,
+                                              16384, 65536, 262144, 1048576};
+  return buckets;
+}
+
+const char* PathLabel(attn::EngineKind kind) {
+  switch (kind) {
+    case attn::EngineKind::kCudaFused:
+      return "fused";
+    case attn::EngineKind::kCudaNaive:
+      return "naive";
+    case attn::EngineKind::kCpuReference:
+    case attn::EngineKind::kCpuTiled:
+      return "cpu";
+  }
+  return "cpu";
+}
+
+const char* ReasonLabel(Metrics::PathReason reason) {
+  switch (reason) {
+    case Metrics::PathReason::kRequested:
+      return "requested";
+    case Metrics::PathReason::kAuto:
+      return "auto";
+    case Metrics::PathReason::kNoGpu:
+      return "no_gpu";
+    case Metrics::PathReason::kUnsupportedDtype:
+      return "unsupported_dtype";
+    case Metrics::PathReason::kUnsupportedHeadDim:
+      return "unsupported_head_dim";
+    case Metrics::PathReason::kUnaligned:
+      return "unaligned";
+    case Metrics::PathReason::kUnsupported:
+      return "unsupported";
+  }
+  return "unsupported";
+}
+
+const char* MethodLabel(Metrics::Method method) {
+  return method == Metrics::Method::kAttend ? "Attend" : "AttendStream";
+}
+
+const char* MemoryLabel(Metrics::Memory memory) {
+  return memory == Metrics::Memory::kDevice ? "device" : "host";
+}
+
+}  // namespace
+
+int64_t FusedIoBytes(const attn::AttentionProblem& p, bool lse) {
+  const int64_t es = attn::DTypeSize(p.dtype);
+  const int64_t q_rows = p.total_q() * p.num_heads * p.head_dim;      // Q read, O written
+  const int64_t kv_rows = p.total_k() * p.num_kv_heads * p.head_dim;  // K and V read
+  return (2 * q_rows + 2 * kv_rows) * es + (lse ? p.total_q() * p.num_heads * 4 : 0);
+}
+
+int64_t NaiveIoBytes(const attn::AttentionProblem& p, bool lse) {
+  const int64_t es = attn::DTypeSize(p.dtype);
+  int64_t pairs = 0;  // the full score rectangle of every sequence, one head
+  for (int b = 0; b < p.batch(); ++b) pairs += p.seqlen_q(b) * p.seqlen_k(b);
+  return FusedIoBytes(p, lse) + p.num_heads * pairs * (2 * 4 + 2 * es);
+}
+
+Metrics::PathReason Metrics::FallbackReason(const absl::Status& refusal) {
+  const absl::string_view message = refusal.message();
+  if (absl::StrContains(message, "dtype")) return PathReason::kUnsupportedDtype;
+  if (absl::StrContains(message, "head_dim")) return PathReason::kUnsupportedHeadDim;
+  if (absl::StrContains(message, "align")) return PathReason::kUnaligned;
+  return PathReason::kUnsupported;
+}
+
+Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  prometheus::Registry& r = *registry_;
+  build_info_ = &prometheus::BuildGauge()
+                     .Name("attnserve_build_info")
+                     .Help("Always 1; the labels say what is running")
+                     .Register(r);
+  requests_ = &prometheus::BuildCounter()
+                   .Name("attnserve_requests_total")
+                   .Help("Attention requests answered, by method and final gRPC status code")
+                   .Register(r);
+  in_flight_ = &prometheus::BuildGauge()
+                    .Name("attnserve_requests_in_flight")
+                    .Help("Admitted requests not yet answered (queued or running)")
+                    .Register(r)
+                    .Add({});
+  queued_ = &prometheus::BuildGauge()
+                 .Name("attnserve_requests_queued")
+                 .Help("Requests waiting in the batcher queue")
+                 .Register(r)
+                 .Add({});
+  request_duration_ = &prometheus::BuildHistogram()
+                           .Name("attnserve_request_duration_seconds")
+                           .Help("End to end time of admitted requests, admission to response")
+                           .Register(r)
+                           .Add({}, LatencyBuckets());
+  queue_wait_ = &prometheus::BuildHistogram()
+                     .Name("attnserve_queue_wait_seconds")
+                     .Help("Time from admission to the start of the request's batch")
+                     .Register(r)
+                     .Add({}, LatencyBuckets());
+  compute_ = &prometheus::BuildHistogram()
+                  .Name("attnserve_compute_seconds")
+                  .Help(
+                      "Engine time per launch: CUDA events on the lane stream for fused and "
+                      "naive, the host clock for cpu")
+                  .Register(r);
+  batch_requests_ = &prometheus::BuildHistogram()
+                         .Name("attnserve_batch_requests")
+                         .Help("Requests per engine launch")
+                         .Register(r);
+  batch_tokens_ = &prometheus::BuildHistogram()
+                       .Name("attnserve_batch_tokens")
+                       .Help("Query plus key tokens per engine launch")
+                       .Register(r);
+  tokens_ = &prometheus::BuildCounter()
+                 .Name("attnserve_tokens_total")
+                 .Help("Tokens processed, by path and kind (query or key)")
+                 .Register(r);
+  flops_ = &prometheus::BuildCounter()
+                .Name("attnserve_flops_total")
+                .Help("Forward FLOPs processed: 4 * head_dim * visible pairs * heads per launch")
+                .Register(r);
+  path_ = &prometheus::BuildCounter()
+               .Name("attnserve_path_total")
+               .Help("Requests run per path, and why that path")
+               .Register(r);
+  fused_io_ = &prometheus::BuildCounter()
+                   .Name("attnserve_fused_io_bytes_total")
+                   .Help(
+                       "Device-memory bytes the fused kernel moves for the work run on path "
+                       "(Q, K, V read; O, LSE written)")
+                   .Register(r);
+  naive_io_ = &prometheus::BuildCounter()
+                   .Name("attnserve_naive_io_bytes_equivalent_total")
+                   .Help(
+                       "Device-memory bytes the naive path moves for the same work (fused "
+                       "bytes plus S and P written and read)")
+                   .Register(r);
+  pool_reserved_ = &prometheus::BuildGauge()
+                        .Name("attnserve_pool_reserved_bytes")
+                        .Help("Bytes the lanes' pools hold")
+                        .Register(r);
+  pool_in_use_ = &prometheus::BuildGauge()
+                      .Name("attnserve_pool_in_use_bytes")
+                      .Help("Bytes of the pools used by the batches running now")
+                      .Register(r);
+  pool_peak_ = &prometheus::BuildGauge()
+                    .Name("attnserve_pool_in_use_peak_bytes")
+                    .Help("Largest attnserve_pool_in_use_bytes seen")
+                    .Register(r);
+  device_total_ = &prometheus::BuildGauge()
+                       .Name("attnserve_device_memory_total_bytes")
+                       .Help("GPU memory, from cudaMemGetInfo")
+                       .Register(r);
+  device_used_ = &prometheus::BuildGauge()
+                      .Name("attnserve_device_memory_used_bytes")
+                      .Help("GPU memory in use by all processes (total - free, cudaMemGetInfo)")
+                      .Register(r);
+  device_peak_ = &prometheus::BuildGauge()
+                      .Name("attnserve_device_memory_used_peak_bytes")
+                      .Help("Largest attnserve_device_memory_used_bytes seen")
+                      .Register(r);
+}
+
+Metrics::~Metrics() = default;
+
+absl::Status Metrics::StartExporter(const std::string& address) {
+  if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics: exporter already runs");
+  try {
+    // One thread serves scrapes; a second would only help several scrapers at once.
+    auto exposer = std::make_unique<prometheus::Exposer>(address, 1);
+    const std::vector<int> ports = exposer->GetListeningPorts();
+    if (ports.empty() || ports.front() <= 0) {
+      return absl::UnavailableError(
+          absl::StrCat("--metrics_address=", address, ": no listening port"));
+    }
+    exposer->RegisterCollectable(registry_);
+    exporter_port_ = ports.front();
+    exposer_ = std::move(exposer);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("--metrics_address=", address, ": cannot listen there (", e.what(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+void Metrics::SetBuildInfo(std::string_view version, bool cuda) {
+  build_info_->Add({{"version", std::string(version)}, {"cuda", cuda ? "true" : "false"}}).Set(1);
+}
+
+void Metrics::CountRequest(Method method, const absl::Status& status) {
+  requests_
+      ->Add({{"method", MethodLabel(method)}, {"code", absl::StatusCodeToString(status.code())}})
+      .Increment();
+}
 
 void Metrics::OnAccepted() { accepted_.fetch_add(1, std::memory_order_relaxed); }
 
-void Metrics::OnRejected(const absl::Status&) { rejected_.fetch_add(1, std::memory_order_relaxed); }
+void Metrics::OnRejected(Method method, const absl::Status& why) {
+  rejected_.fetch_add(1, std::memory_order_relaxed);
+  CountRequest(method, why);
+}
 
-void Metrics::OnBatch(int requests, int64_t, absl::Duration) {
+void Metrics::OnQueued() {
+  queued_->Increment();
+  in_flight_->Increment();
+}
+
+void Metrics::OnDequeued(int n) { queued_->Decrement(n); }
+
+void Metrics::OnBatch(int requests) {
   batches_.fetch_add(1, std::memory_order_relaxed);
   if (requests > 1) batched_requests_.fetch_add(requests, std::memory_order_relaxed);
   int seen = max_batch_requests_.load(std::memory_order_relaxed);
@@ -15,8 +259,57 @@ void Metrics::OnBatch(int requests, int64_t, absl::Duration) {
   }
 }
 
-void Metrics::OnFinished(const absl::Status& status, absl::Duration, absl::Duration) {
+void Metrics::OnPath(attn::EngineKind engine, PathReason reason) {
+  path_->Add({{"path", PathLabel(engine)}, {"reason", ReasonLabel(reason)}}).Increment();
+}
+
+void Metrics::OnLaunch(const Launch& launch) {
+  const std::string path = PathLabel(launch.engine);
+  compute_->Add({{"path", path}}, LatencyBuckets()).Observe(absl::ToDoubleSeconds(launch.compute));
+  batch_requests_->Add({{"path", path}}, RequestBuckets()).Observe(launch.requests);
+  batch_tokens_->Add({{"path", path}}, TokenBuckets())
+      .Observe(static_cast<double>(launch.query_tokens + launch.key_tokens));
+  tokens_->Add({{"path", path}, {"kind", "query"}})
+      .Increment(static_cast<double>(launch.query_tokens));
+  tokens_->Add({{"path", path}, {"kind", "key"}}).Increment(static_cast<double>(launch.key_tokens));
+  flops_->Add({{"path", path}}).Increment(launch.flops);
+  fused_io_->Add({{"path", path}}).Increment(static_cast<double>(launch.fused_io_bytes));
+  naive_io_->Add({{"path", path}}).Increment(static_cast<double>(launch.naive_io_bytes));
+}
+
+void Metrics::OnFinished(Method method, const absl::Status& status, absl::Duration queue,
+                         absl::Duration total) {
   (status.ok() ? completed_ : failed_).fetch_add(1, std::memory_order_relaxed);
+  in_flight_->Decrement();
+  CountRequest(method, status);
+  queue_wait_->Observe(absl::ToDoubleSeconds(queue));
+  request_duration_->Observe(absl::ToDoubleSeconds(total));
+}
+
+void Metrics::OnPoolReserved(std::string_view device, Memory memory, int64_t delta_bytes) {
+  pool_reserved_->Add({{"device", std::string(device)}, {"memory", MemoryLabel(memory)}})
+      .Increment(static_cast<double>(delta_bytes));
+}
+
+void Metrics::OnPoolInUse(std::string_view device, Memory memory, int64_t delta_bytes) {
+  const prometheus::Labels labels = {{"device", std::string(device)},
+                                     {"memory", MemoryLabel(memory)}};
+  absl::MutexLock lock(&memory_mu_);
+  auto& [in_use, peak] = pool_in_use_bytes_[{std::string(device), memory}];
+  in_use += delta_bytes;
+  peak = std::max(peak, in_use);
+  pool_in_use_->Add(labels).Set(static_cast<double>(in_use));
+  pool_peak_->Add(labels).Set(static_cast<double>(peak));
+}
+
+void Metrics::OnDeviceMemory(std::string_view device, int64_t used_bytes, int64_t total_bytes) {
+  const prometheus::Labels labels = {{"device", std::string(device)}};
+  absl::MutexLock lock(&memory_mu_);
+  int64_t& peak = device_used_peak_[std::string(device)];
+  peak = std::max(peak, used_bytes);
+  device_total_->Add(labels).Set(static_cast<double>(total_bytes));
+  device_used_->Add(labels).Set(static_cast<double>(used_bytes));
+  device_peak_->Add(labels).Set(static_cast<double>(peak));
 }
 
 v1::Stats Metrics::Snapshot() const {
@@ -29,6 +322,10 @@ v1::Stats Metrics::Snapshot() const {
   s.set_batched_requests(batched_requests_.load(std::memory_order_relaxed));
   s.set_max_batch_requests_seen(max_batch_requests_.load(std::memory_order_relaxed));
   return s;
+}
+
+std::string Metrics::Scrape() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
 }  // namespace attnserve

@@ -22,6 +22,19 @@ namespace {
 constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 constexpr char kVersion[] = "0.1.0";
 
+// Writes `port` to `path` atomically (a reader never sees a partial file).
+absl::Status WritePortFile(const std::string& path, int port, const char* flag) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << port << "\n";
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("--", flag, ": cannot write '", path, "'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read '", path, "'"));
@@ -146,6 +159,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     probes.push_back(std::move(probe));
   }
 
+  self->metrics_.SetBuildInfo(kVersion, any_device);
+  if (!config.metrics_address.empty()) {
+    if (absl::Status s = self->metrics_.StartExporter(config.metrics_address); !s.ok()) {
+      if (config.metrics_required) return s;
+      ATTN_LOG(kWarning) << "running without the metrics exporter: " << s.message();
+    } else {
+      ATTN_LOG(kInfo) << "metrics on port " << self->metrics_.exporter_port()
+                      << " (/metrics, --metrics_address=" << config.metrics_address << ")";
+      if (!config.metrics_port_file.empty()) {
+        ATTN_RETURN_IF_ERROR(WritePortFile(config.metrics_port_file, self->metrics_.exporter_port(),
+                                           "metrics_port_file"));
+      }
+    }
+  }
+
   Batcher::Options batch_options;
   batch_options.max_batch_tokens = config.max_batch_tokens;
   batch_options.max_batch_requests = config.max_batch_requests;
@@ -190,15 +218,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   health->SetServingStatus(true);
 
   if (!config.port_file.empty()) {
-    const std::string tmp = config.port_file + ".tmp";
-    {
-      std::ofstream out(tmp);
-      out << self->port_ << "\n";
-    }
-    if (std::rename(tmp.c_str(), config.port_file.c_str()) != 0) {
-      return absl::InternalError(
-          absl::StrCat("--port_file: cannot write '", config.port_file, "'"));
-    }
+    ATTN_RETURN_IF_ERROR(WritePortFile(config.port_file, self->port_, "port_file"));
   }
   std::string engines;
   for (attn::EngineKind kind : kinds)
