@@ -260,6 +260,10 @@ def check_k8s(repo):
     check(grace > pre_stop_s + drain,
           f"{where}: terminationGracePeriodSeconds {grace} must exceed preStop {pre_stop_s}s + "
           f"--drain_timeout {drain}s")
+    live = c.get("livenessProbe") or {}
+    check(live.get("periodSeconds", 10) * live.get("failureThreshold", 3) > drain,
+          f"{where}: livenessProbe period x failureThreshold must outlast --drain_timeout "
+          f"{drain}s (health is NOT_SERVING while draining)")
     check(dig(pod, "securityContext", "runAsNonRoot") is True, f"{where}: runAsNonRoot")
     ann = dig(dep, "spec", "template", "metadata", "annotations") or {}
     if "prometheus.io/port" in ann:
