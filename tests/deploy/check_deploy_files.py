@@ -16,13 +16,19 @@ What it checks, beyond "every YAML/JSON document parses":
     every attnserve_* metric they use is one the server defines (server/metrics.cc once it names
     them; the planned list until then);
   * Dockerfile: ports in EXPOSE/CMD/ENV agree, non-root USER, HEALTHCHECK uses the client;
-  * every server flag the files pass exists in server/main.cc (or is covered by --undefok).
+  * every server flag the files pass exists in server/main.cc (or is covered by --undefok);
+  * with promtool on PATH (Debian's prometheus package): prometheus.yml passes `promtool check
+    config`, and every PromQL expression (dashboard panels, the adapter rule, Grafana and adapter
+    template variables filled in) parses, through `promtool check rules`.
 """
 
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 try:
     import yaml
@@ -147,6 +153,9 @@ def check_metric(repo, name, where):
     elif not base:
         warnings.append(f"{where}: {name} is not in the planned list (no names in server/metrics.cc)")
     return base or name
+
+
+promql = []  # (where, expression) pairs, for the promtool check
 
 
 def metric_names_in(expr):
@@ -307,6 +316,7 @@ def check_k8s(repo):
                     check_metric(repo, m, cwhere)
             check("<<.LabelMatchers>>" in rule.get("metricsQuery", ""),
                   f"{cwhere}: metricsQuery must use <<.LabelMatchers>>")
+            promql.append((f"{cwhere}: metricsQuery", rule.get("metricsQuery", "")))
     for hwhere, _, hpa in docs.get("HorizontalPodAutoscaler", []):
         ref = hpa["spec"]["scaleTargetRef"]
         check(ref.get("kind") == "Deployment" and ref.get("name") == dep["metadata"]["name"],
@@ -404,6 +414,7 @@ def check_compose_and_monitoring(repo):
             for t in targets:
                 expr = t.get("expr", "")
                 check(expr, f"{where}: panel {p.get('title')!r} has an empty expr")
+                promql.append((f"{where}: panel {p.get('title')!r}", expr))
                 check(expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"),
                       f"{where}: unbalanced brackets in {expr!r}")
                 for m in metric_names_in(expr):
@@ -447,12 +458,45 @@ def check_dockerfile(repo):
     check("build*/" in ignore and ".git" in ignore, ".dockerignore: build folders and .git")
 
 
+def fill_templates(expr):
+    """Grafana's and prometheus-adapter's template variables, replaced by plain PromQL."""
+    expr = expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
+    expr = expr.replace("<<.LabelMatchers>>", 'namespace="ns",pod="p"')
+    return expr.replace("<<.GroupBy>>", "namespace, pod")
+
+
+def check_with_promtool(repo):
+    promtool = shutil.which("promtool")
+    if not promtool:
+        print("note: no promtool on PATH; PromQL and prometheus.yml not checked by Prometheus")
+        return
+    run = subprocess.run([promtool, "check", "config", repo.path("deploy/prometheus.yml")],
+                         capture_output=True, text=True, timeout=60)
+    check(run.returncode == 0, f"promtool check config deploy/prometheus.yml: {run.stdout}"
+                               f"{run.stderr}")
+    rules = [{"record": f"attnserve:check_{i}", "expr": fill_templates(expr)}
+             for i, (_, expr) in enumerate(promql)]
+    with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
+        yaml.safe_dump({"groups": [{"name": "deploy_files", "rules": rules}]}, f)
+        f.flush()
+        run = subprocess.run([promtool, "check", "rules", f.name], capture_output=True,
+                             text=True, timeout=60)
+    ok = check(run.returncode == 0 and f"{len(rules)} rules found" in run.stdout,
+               f"promtool check rules: {run.stdout}{run.stderr}")
+    if not ok:  # name the expressions promtool refused
+        for i, (where, expr) in enumerate(promql):
+            if f"check_{i}" in run.stdout + run.stderr:
+                errors.append(f"{where}: {expr}")
+    print(f"promtool: prometheus.yml valid; {len(rules)} PromQL expressions parse"
+          if ok else "promtool: FAILED")
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__)
         return 2
     repo = Repo(sys.argv[1])
-    for fn in (check_k8s, check_compose_and_monitoring, check_dockerfile):
+    for fn in (check_k8s, check_compose_and_monitoring, check_dockerfile, check_with_promtool):
         try:
             fn(repo)
         except Exception as e:  # a parse error or a missing file is a failure, with its cause
