@@ -20,6 +20,8 @@
 #   LARGE_N, LARGE_HEADS         override the large shape (the CPU engine needs seconds per
 #                                N = 4096 request)
 #   ENGINE           --engine of the server (default auto)
+#   METRICS_ADDRESS  --metrics_address (default empty: the Prometheus exporter off; the
+#                    in-process counters still run)
 #   SERVER_ARGS      extra server flags for every run; ON_ARGS / OFF_ARGS for one mode
 #   LEVEL_TIMEOUT    hard limit in seconds on one client run (default 120)
 #
@@ -38,6 +40,7 @@ sets=${SETS:-small,large}
 modes=${MODES:-on,off}
 level_timeout=${LEVEL_TIMEOUT:-120}
 engine=${ENGINE:-auto}
+metrics_address=${METRICS_ADDRESS:-}
 mkdir -p "$out"
 jsonl="$out/server-bench.jsonl"
 : >"$jsonl"
@@ -68,7 +71,7 @@ start_server() {
   local port_file="$out/port.$$"
   rm -f "$port_file"
   "$server" --listen=127.0.0.1:0 --port_file="$port_file" --engine="$engine" --drain_timeout=5s \
-    "$@" >"$log" 2>&1 &
+    --metrics_address="$metrics_address" "$@" >"$log" 2>&1 &
   server_pid=$!
   for _ in $(seq 150); do
     [[ -s $port_file ]] && break

@@ -58,6 +58,16 @@ LoadGenerator::LoadGenerator(const ChannelFactory* factory,
   }
 }
 
+LoadGenerator::Sample LoadGenerator::MakeSample(absl::Duration latency, size_t request,
+                                                const v1::AttendResponse& response) {
+  return {latency,
+          request,
+          response.batch().requests(),
+          response.timing().queue_us(),
+          response.timing().compute_us(),
+          response.timing().total_us()};
+}
+
 LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration) {
   absl::Mutex mu;
   std::vector<Sample> samples;
@@ -78,7 +88,7 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
         const absl::Duration latency = absl::Now() - t0;
         absl::MutexLock lock(&mu);
         if (status.ok()) {
-          samples.push_back({latency, next, response.batch().requests()});
+          samples.push_back(MakeSample(latency, next, response));
         } else {
           ++errors[StatusCodeName(status.error_code())];
         }
@@ -122,7 +132,7 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
           const absl::Duration latency = absl::Now() - call->sent;
           absl::MutexLock lock(&mu);
           if (status.ok()) {
-            samples.push_back({latency, call->request, call->response.batch().requests()});
+            samples.push_back(MakeSample(latency, call->request, call->response));
           } else {
             ++errors[StatusCodeName(status.error_code())];
           }
@@ -149,15 +159,22 @@ LoadResult LoadGenerator::Summarize(const std::string& mode, double level, absl:
   r.seconds = absl::ToDoubleSeconds(elapsed);
   r.ok = static_cast<int64_t>(samples.size());
   r.errors = errors;
-  std::vector<double> ms;
+  std::vector<double> ms, queue_ms, compute_ms, overhead_ms, outside_ms;
   double flops = 0, tokens = 0, batch = 0;
   for (const Sample& s : samples) {
-    ms.push_back(absl::ToDoubleMilliseconds(s.latency));
+    const double e2e = absl::ToDoubleMilliseconds(s.latency);
+    ms.push_back(e2e);
+    queue_ms.push_back(s.queue_us / 1e3);
+    compute_ms.push_back(s.compute_us / 1e3);
+    overhead_ms.push_back(e2e - s.compute_us / 1e3);
+    outside_ms.push_back(e2e - s.total_us / 1e3);
     flops += flops_[s.request];
     tokens += static_cast<double>(tokens_[s.request]);
     batch += s.batch_requests;
   }
-  std::sort(ms.begin(), ms.end());
+  for (auto* v : {&ms, &queue_ms, &compute_ms, &overhead_ms, &outside_ms}) {
+    std::sort(v->begin(), v->end());
+  }
   if (r.seconds > 0) {
     r.requests_per_s = r.ok / r.seconds;
     r.tokens_per_s = tokens / r.seconds;
@@ -166,6 +183,10 @@ LoadResult LoadGenerator::Summarize(const std::string& mode, double level, absl:
   r.p50_ms = Percentile(ms, 0.50);
   r.p90_ms = Percentile(ms, 0.90);
   r.p99_ms = Percentile(ms, 0.99);
+  r.p50_queue_ms = Percentile(queue_ms, 0.50);
+  r.p50_compute_ms = Percentile(compute_ms, 0.50);
+  r.p50_overhead_ms = Percentile(overhead_ms, 0.50);
+  r.p50_outside_ms = Percentile(outside_ms, 0.50);
   r.mean_batch_requests = r.ok > 0 ? batch / r.ok : 0;
   return r;
 }
@@ -178,9 +199,11 @@ std::string LoadResult::ToJson() const {
   return absl::StrFormat(
       "{\"mode\": \"%s\", \"level\": %g, \"seconds\": %.3f, \"ok\": %d, \"errors\": {%s}, "
       "\"requests_per_s\": %.2f, \"tokens_per_s\": %.1f, \"tflops\": %.6f, \"p50_ms\": %.3f, "
-      "\"p90_ms\": %.3f, \"p99_ms\": %.3f, \"mean_batch_requests\": %.2f}",
+      "\"p90_ms\": %.3f, \"p99_ms\": %.3f, \"mean_batch_requests\": %.2f, "
+      "\"p50_queue_ms\": %.3f, \"p50_compute_ms\": %.3f, \"p50_overhead_ms\": %.3f, "
+      "\"p50_outside_ms\": %.3f}",
       mode, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
-      mean_batch_requests);
+      mean_batch_requests, p50_queue_ms, p50_compute_ms, p50_overhead_ms, p50_outside_ms);
 }
 
 std::string LoadResult::ToText() const {
@@ -188,9 +211,9 @@ std::string LoadResult::ToText() const {
   for (const auto& [code, n] : errors) failed += n;
   return absl::StrFormat(
       "%-6s %8g  %8.1f req/s %10.0f tok/s %9.4f TFLOP/s  p50 %7.2f ms  p90 %7.2f ms  p99 %7.2f "
-      "ms  batch %5.2f  ok %d  errors %d",
+      "ms  batch %5.2f  compute p50 %7.3f ms  overhead p50 %7.3f ms  ok %d  errors %d",
       mode, level, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
-      mean_batch_requests, ok, failed);
+      mean_batch_requests, p50_compute_ms, p50_overhead_ms, ok, failed);
 }
 
 }  // namespace attnserve::client

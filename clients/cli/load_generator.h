@@ -29,6 +29,11 @@ struct LoadResult {
   double tflops = 0;        // forward FLOPs of the visible pairs
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double mean_batch_requests = 0;  // as the server reported per response
+  // Medians of the response's timing fields and of what the server does not account as
+  // compute: overhead = end-to-end - compute_us (queueing, batching delay, decode, gRPC,
+  // serialization, transport); outside = end-to-end - total_us (what happens outside the
+  // server's accepted -> response-ready window: transport, (de)serialization, the client).
+  double p50_queue_ms = 0, p50_compute_ms = 0, p50_overhead_ms = 0, p50_outside_ms = 0;
 
   std::string ToJson() const;
   std::string ToText() const;
@@ -49,7 +54,10 @@ class LoadGenerator {
     absl::Duration latency;
     size_t request;
     int batch_requests;
+    int64_t queue_us, compute_us, total_us;  // the response's timing
   };
+  static Sample MakeSample(absl::Duration latency, size_t request,
+                           const v1::AttendResponse& response);
   LoadResult Summarize(const std::string& mode, double level, absl::Duration elapsed,
                        std::vector<Sample> samples,
                        const std::map<std::string, int64_t>& errors) const;
