@@ -2,7 +2,8 @@
 # Builds the CPU-only attnserve image from deploy/Dockerfile and checks it for real: the server
 # starts as a non-root user, the image's HEALTHCHECK and the gRPC health service answer, an
 # attention request computed in the container matches the float64 reference, the metrics
-# endpoint is scraped (when the server has one), and SIGTERM under load drains and exits 0.
+# endpoint is scraped with curl and by a real Prometheus using deploy/prometheus.yml (when the
+# server has an exporter), and SIGTERM under load drains and exits 0.
 #
 # Engine: podman (as shared/notes/machines.md sets it up: runc, host network, a local base
 # image), or docker when a Docker engine answers. No registry is needed with podman: when the
@@ -140,11 +141,11 @@ print(*[s.getsockname()[1] for s in socks])
 EOF
 )
 
+# --helpfull exits 1 (absl), so read its output before looking into it.
 has_metrics=0
-if "${engine[@]}" run --rm --network=none --entrypoint /usr/local/bin/attnserve "${image}" \
-  --helpfull 2>/dev/null | grep -q -- '--metrics_address'; then
-  has_metrics=1
-fi
+server_help=$("${engine[@]}" run --rm --network=none --entrypoint /usr/local/bin/attnserve \
+  "${image}" --helpfull 2>&1 || true)
+grep -q -- '--metrics_address' <<<"${server_help}" && has_metrics=1
 log "server has --metrics_address: $([[ ${has_metrics} -eq 1 ]] && echo yes || echo no)"
 
 cleanup() { "${engine[@]}" rm -f -t 0 "${name}" >/dev/null 2>&1 || true; }
@@ -223,11 +224,49 @@ if [[ ${has_metrics} -eq 1 ]]; then
     fail "GET http://127.0.0.1:${metrics_port}/metrics"
   lines=$(grep -c '^attnserve_' <<<"${scrape}" || true)
   log "metrics: ${lines} attnserve_* samples; a few:"
-  grep -E '^attnserve_(requests_total|tokens_total|flops_total|queue_depth|path_total)' \
+  grep -E '^attnserve_(build_info|requests_total|tokens_total|flops_total|requests_queued|path_total)' \
     <<<"${scrape}" | head -12 || true
   [[ ${lines} -gt 0 ]] || fail "no attnserve_* sample on /metrics"
 else
   log "metrics: SKIPPED (the server in this image has no --metrics_address yet)"
+fi
+
+# ---- a real Prometheus scraping the container with deploy/prometheus.yml
+prometheus_check() {
+  local dir port pid up=0 value deadline
+  dir=$(mktemp -d /tmp/attnserve-prometheus.XXXXXX)
+  sed "s/attnserve:9464/127.0.0.1:${metrics_port}/" deploy/prometheus.yml >"${dir}/prometheus.yml"
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  prometheus --config.file="${dir}/prometheus.yml" --storage.tsdb.path="${dir}/data" \
+    --web.listen-address="127.0.0.1:${port}" >"${dir}/log" 2>&1 &
+  pid=$!
+  deadline=$(($(date +%s) + 60))
+  while (($(date +%s) < deadline)); do
+    value=$(curl -sf --max-time 5 "http://127.0.0.1:${port}/api/v1/query" \
+      --data-urlencode 'query=sum(attnserve_requests_total{job="attnserve"})' |
+      /usr/bin/python3 -c 'import json,sys; r=json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else "")' \
+      2>/dev/null || true)
+    if [[ -n "${value}" ]]; then
+      up=1
+      break
+    fi
+    sleep 1
+  done
+  kill "${pid}" 2>/dev/null || true
+  wait "${pid}" 2>/dev/null || true
+  if [[ ${up} -eq 1 ]]; then
+    log "Prometheus $(prometheus --version 2>&1 | head -n1 | awk '{print $3}') with" \
+      "deploy/prometheus.yml scraped the container: sum(attnserve_requests_total) = ${value}"
+    rm -rf "${dir}"
+    return 0
+  fi
+  tail -n 5 "${dir}/log" >&2
+  return 1
+}
+if [[ ${has_metrics} -eq 1 ]] && command -v prometheus >/dev/null 2>&1; then
+  timed "Prometheus scrape" prometheus_check || fail "Prometheus did not scrape the container"
+else
+  log "Prometheus scrape: SKIPPED (no exporter in the image or no prometheus on PATH)"
 fi
 
 # ---- SIGTERM under load: the drain must finish the accepted calls and exit 0
