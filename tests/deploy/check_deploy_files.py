@@ -379,6 +379,11 @@ def check_compose_and_monitoring(repo):
     check(f"attnserve:{metrics_port}" in targets,
           f"prometheus.yml: target attnserve:{metrics_port} (the compose service's metrics "
           f"address) expected, has {targets}")
+    # tests/prometheus rewrites the file's one inline target ("targets: [\"...\"]") to its
+    # loopback server, and falls back to a built-in config when it finds more or fewer.
+    inline = re.findall(r'targets:\s*\[\s*"([^"]+)"', repo.read("deploy/prometheus.yml"))
+    check(len(inline) == 1, f"prometheus.yml: exactly one inline target for tests/prometheus to "
+                            f"rewrite, found {inline}")
     check(jobs.get("attnserve", {}).get("metrics_path", "/metrics") == "/metrics",
           "prometheus.yml: metrics_path /metrics")
 
