@@ -19,7 +19,8 @@ What it checks, beyond "every YAML/JSON document parses":
   * every server flag the files pass exists in server/main.cc (or is covered by --undefok);
   * with promtool on PATH (Debian's prometheus package): prometheus.yml passes `promtool check
     config`, and every PromQL expression (dashboard panels, the adapter rule, Grafana and adapter
-    template variables filled in) parses, through `promtool check rules`.
+    template variables filled in) parses, through `promtool check rules`;
+  * with docker-compose on PATH: `docker-compose config -q` accepts compose.yaml.
 """
 
 import json
@@ -496,12 +497,26 @@ def check_with_promtool(repo):
           if ok else "promtool: FAILED")
 
 
+def check_with_compose(repo):
+    """docker-compose (Debian's 1.29, which validates against the Compose schema without an
+    engine), when installed: `config -q` must accept compose.yaml."""
+    tool = shutil.which("docker-compose")
+    if not tool:
+        print("note: no docker-compose on PATH; compose.yaml not checked against the schema")
+        return
+    run = subprocess.run([tool, "-f", repo.path("deploy/compose.yaml"), "config", "-q"],
+                         capture_output=True, text=True, timeout=120)
+    if check(run.returncode == 0, f"docker-compose config: {run.stdout}{run.stderr}"):
+        print("docker-compose: compose.yaml valid")
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__)
         return 2
     repo = Repo(sys.argv[1])
-    for fn in (check_k8s, check_compose_and_monitoring, check_dockerfile, check_with_promtool):
+    for fn in (check_k8s, check_compose_and_monitoring, check_dockerfile, check_with_promtool,
+               check_with_compose):
         try:
             fn(repo)
         except Exception as e:  # a parse error or a missing file is a failure, with its cause
