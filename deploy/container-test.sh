@@ -158,7 +158,7 @@ log "starting ${name}: gRPC 127.0.0.1:${grpc_port}, metrics 127.0.0.1:${metrics_
 "${engine[@]}" run -d --name "${name}" --network=host \
   -e "ATTN_GRPC_PORT=${grpc_port}" -e "ATTN_METRICS_PORT=${metrics_port}" "${image}" \
   "--listen=127.0.0.1:${grpc_port}" "--metrics_address=127.0.0.1:${metrics_port}" \
-  --undefok=metrics_address --cpu_threads=2 --drain_timeout=15s --max_queue_delay=5ms >/dev/null
+  --cpu_threads=2 --drain_timeout=15s --max_queue_delay=5ms >/dev/null
 
 wait_serving() {
   local deadline=$(($(date +%s) + 60))

@@ -16,7 +16,8 @@ What it checks, beyond "every YAML/JSON document parses":
     every attnserve_* metric they use is one the server defines (server/metrics.cc once it names
     them; the planned list until then);
   * Dockerfile: ports in EXPOSE/CMD/ENV agree, non-root USER, HEALTHCHECK uses the client;
-  * every server flag the files pass exists in server/main.cc (or is covered by --undefok);
+  * every server flag the files pass exists in server/main.cc (an --undefok is reported: it
+    would hide a renamed flag);
   * with promtool on PATH (Debian's prometheus package): prometheus.yml passes `promtool check
     config`, and every PromQL expression (dashboard panels, the adapter rule, Grafana and adapter
     template variables filled in) parses, through `promtool check rules`;
@@ -123,16 +124,12 @@ class Repo:
 
 
 def check_server_args(repo, args, where):
-    """Every flag exists in main.cc or is listed in --undefok; returns the flag dict."""
+    """Every flag exists in main.cc; returns the flag dict."""
     flags = flag_values(args)
-    undefok = set(flags.get("undefok", "").split(",")) - {""}
+    check("undefok" not in flags,
+          f"{where}: --undefok would let a renamed or removed server flag pass unnoticed")
     for name in flags:
-        if name == "undefok":
-            continue
-        check(name in repo.flags or name in undefok,
-              f"{where}: --{name} is not a server flag (server/main.cc) and not in --undefok")
-    for name in undefok:
-        check(name in flags, f"{where}: --undefok names {name}, which is not passed")
+        check(name in repo.flags, f"{where}: --{name} is not a server flag (server/main.cc)")
     check("listen" in flags, f"{where}: no --listen")
     if "drain_timeout" in flags:
         parse_duration_s(flags["drain_timeout"])
@@ -523,9 +520,6 @@ def main():
             errors.append(f"{fn.__name__}: {type(e).__name__}: {e}")
     print(f"metric names: {'server/metrics.cc' if repo.metrics_final else 'planned list'} "
           f"({len(repo.metrics)} names)")
-    if "metrics_address" not in repo.flags:
-        print("note: server/main.cc has no --metrics_address yet; the files pass it with "
-              "--undefok=metrics_address")
     for w in warnings:
         print("warning:", w)
     for e in errors:
