@@ -133,6 +133,48 @@ TEST(MetricsFormulas, FallbackReasonsAreBounded) {
             R::kUnsupported);
 }
 
+// The GPU-only gauges, through the hooks the lanes call (no GPU needed).
+TEST(MetricsHooks, MemoryGaugesSumLanesAndKeepPeaks) {
+  Metrics m;
+  EXPECT_FALSE(absl::StrContains(m.Scrape(), "attnserve_device_memory_used_bytes{"));
+  using M = Metrics::Memory;
+  m.OnPoolReserved("cuda:1", M::kDevice, 4 << 20);
+  m.OnPoolReserved("cuda:1", M::kDevice, 2 << 20);  // a second lane
+  m.OnPoolInUse("cuda:1", M::kDevice, 3000);
+  m.OnPoolInUse("cuda:1", M::kDevice, 5000);
+  m.OnPoolInUse("cuda:1", M::kDevice, -3000);
+  m.OnDeviceMemory("cuda:1", 700, 1000);
+  m.OnDeviceMemory("cuda:1", 400, 1000);
+  const Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Get(s, R"(attnserve_pool_reserved_bytes{device="cuda:1",memory="device"})"), 6 << 20);
+  EXPECT_EQ(Get(s, R"(attnserve_pool_in_use_bytes{device="cuda:1",memory="device"})"), 5000);
+  EXPECT_EQ(Get(s, R"(attnserve_pool_in_use_peak_bytes{device="cuda:1",memory="device"})"), 8000);
+  EXPECT_EQ(Get(s, R"(attnserve_device_memory_used_bytes{device="cuda:1"})"), 400);
+  EXPECT_EQ(Get(s, R"(attnserve_device_memory_used_peak_bytes{device="cuda:1"})"), 700);
+  EXPECT_EQ(Get(s, R"(attnserve_device_memory_total_bytes{device="cuda:1"})"), 1000);
+}
+
+TEST(MetricsHooks, QueueAndInFlightGauges) {
+  Metrics m;
+  m.OnQueued();
+  m.OnQueued();
+  m.OnDequeued(2);
+  m.OnFinished(Metrics::Method::kAttend, absl::OkStatus(), absl::Milliseconds(1),
+               absl::Milliseconds(3));
+  Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Get(s, "attnserve_requests_queued"), 0);
+  EXPECT_EQ(Get(s, "attnserve_requests_in_flight"), 1);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_bucket{le="0.0025"})"), 0);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_bucket{le="0.005"})"), 1);
+  m.OnFinished(Metrics::Method::kAttendStream, absl::DeadlineExceededError("late"),
+               absl::Seconds(2), absl::Seconds(2));
+  s = Parse(m.Scrape());
+  EXPECT_EQ(Get(s, "attnserve_requests_in_flight"), 0);
+  EXPECT_EQ(Get(s, R"(attnserve_requests_total{code="DEADLINE_EXCEEDED",method="AttendStream"})"),
+            1);
+  EXPECT_EQ(m.Snapshot().requests_failed(), 1);
+}
+
 TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
   const std::string dir = MakeTempDir();
   ASSERT_FALSE(dir.empty());
