@@ -104,7 +104,7 @@ class CudaFusedEngine final : public Engine {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options,
-                                                             cuda::FusedKernel kernel) {
+                                                            cuda::FusedKernel kernel) {
   ATTN_ASSIGN_OR_RETURN(const int devices, cuda::CountDevices());
   if (options.device < 0 || options.device >= devices) {
     return absl::UnavailableError(absl::StrCat("cuda_fused: device ", options.device,
