@@ -67,6 +67,7 @@ timed() {
 # ---- the container engine
 engine=()
 build_flags=()
+own_conf=""
 if command -v podman >/dev/null 2>&1; then
   engine=(podman)
   # Debian's podman on this kind of machine: runc, and no default ulimits (the sandbox refuses
@@ -75,6 +76,7 @@ if command -v podman >/dev/null 2>&1; then
     conf=$(mktemp /tmp/attnserve-containers.XXXXXX.conf)
     printf '[containers]\ndefault_ulimits = []\n' >"${conf}"
     export CONTAINERS_CONF=${conf}
+    own_conf=${conf}
   fi
   command -v runc >/dev/null 2>&1 && engine+=(--runtime runc)
   # Docker format keeps the HEALTHCHECK (OCI images have none).
@@ -87,6 +89,12 @@ else
   fail "neither podman nor a running Docker engine"
 fi
 log "engine: ${engine[*]}, image ${image}, base ${base}"
+
+cleanup() {
+  "${engine[@]}" rm -f -t 0 "${name}" >/dev/null 2>&1 || true
+  [[ -z "${own_conf}" ]] || rm -f "${own_conf}"
+}
+trap cleanup EXIT
 
 # ---- the base image, made locally once when it is the default and missing
 ensure_base() {
@@ -148,8 +156,6 @@ server_help=$("${engine[@]}" run --rm --network=none --entrypoint /usr/local/bin
 grep -q -- '--metrics_address' <<<"${server_help}" && has_metrics=1
 log "server has --metrics_address: $([[ ${has_metrics} -eq 1 ]] && echo yes || echo no)"
 
-cleanup() { "${engine[@]}" rm -f -t 0 "${name}" >/dev/null 2>&1 || true; }
-trap cleanup EXIT
 
 in_ctr() { timeout 120 "${engine[@]}" exec "${name}" "$@"; }
 
