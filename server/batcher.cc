@@ -120,9 +120,14 @@ void Batcher::LaneLoop(Lane* lane) {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(this, &Batcher::HasWorkOrStopping));
       if (queue_.empty()) return;  // stopping, and nothing left to run
-      const absl::Time close_at = queue_.front()->accepted + options_.max_queue_delay;
-      mu_.AwaitWithDeadline(absl::Condition(this, &Batcher::FrontBatchFull), close_at);
-      if (queue_.empty()) continue;  // another lane took it
+      // Work-conserving by default: this lane is idle, so it runs what is queued now. Under
+      // load the lanes are busy and requests pile up meanwhile, which is what grows batches.
+      // A positive max_queue_delay holds a batch that is not full up to that long.
+      if (options_.max_queue_delay > absl::ZeroDuration()) {
+        const absl::Time close_at = queue_.front()->accepted + options_.max_queue_delay;
+        mu_.AwaitWithDeadline(absl::Condition(this, &Batcher::FrontBatchFull), close_at);
+        if (queue_.empty()) continue;  // another lane took it
+      }
       batch = TakeBatch();
     }
     RunBatch(*lane, std::move(batch));
@@ -189,16 +194,19 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
   const int64_t q_row = int64_t{p.num_heads} * p.head_dim * es;
   const int64_t kv_row = int64_t{p.num_kv_heads} * p.head_dim * es;
   const int64_t total_q = p.total_q(), total_k = p.total_k();
-  const int64_t q_off = 0;
-  const int64_t k_off = AlignUp(q_off + total_q * q_row);
-  const int64_t v_off = AlignUp(k_off + total_k * kv_row);
-  const int64_t o_off = AlignUp(v_off + total_k * kv_row);
-  const int64_t lse_off = AlignUp(o_off + total_q * q_row);
-  const int64_t end = lse_off + (want_lse ? total_q * p.num_heads * 4 : 0);
 
   DevicePool* pool = engine.memory_space() == attn::MemorySpace::kDevice ? lane.device_pool.get()
                                                                          : lane.host_pool.get();
   if (pool == nullptr) return absl::InternalError("batcher: lane has no pool for the engine");
+  // A lone request on a host engine is not staged: the engine reads Q, K, V where the request's
+  // bytes are and writes O straight into the response's bytes; the pool holds only the LSE.
+  const bool in_place = pool->space() == attn::MemorySpace::kHost && batch.size() == 1;
+  const int64_t q_off = 0;
+  const int64_t k_off = in_place ? 0 : AlignUp(q_off + total_q * q_row);
+  const int64_t v_off = in_place ? 0 : AlignUp(k_off + total_k * kv_row);
+  const int64_t o_off = in_place ? 0 : AlignUp(v_off + total_k * kv_row);
+  const int64_t lse_off = in_place ? 0 : AlignUp(o_off + total_q * q_row);
+  const int64_t end = lse_off + (want_lse ? total_q * p.num_heads * 4 : 0);
   ATTN_RETURN_IF_ERROR(pool->Activate());
   const int64_t reserved_before = pool->capacity();
   ATTN_RETURN_IF_ERROR(pool->Reserve(end));
@@ -217,7 +225,11 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
   absl::Cleanup release_in_use = [&] { account(&Metrics::OnPoolInUse, -end); };
 
   std::byte* host = pool->host();
-  {
+  std::string* in_place_o = nullptr;
+  if (in_place) {
+    in_place_o = batch.front()->response->mutable_o()->mutable_data();
+    in_place_o->resize(static_cast<size_t>(total_q * q_row));
+  } else {
     int64_t q_at = q_off, k_at = k_off, v_at = v_off;
     for (const auto& item : batch) {
       const attn::AttentionProblem& r = item->request.problem;
@@ -234,10 +246,18 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
 
   std::byte* dev = pool->device();
   attn::ForwardArgs args;
-  args.q = attn::Packed<const void*>(dev + q_off, p.num_heads, p.head_dim);
-  args.k = attn::Packed<const void*>(dev + k_off, p.num_kv_heads, p.head_dim);
-  args.v = attn::Packed<const void*>(dev + v_off, p.num_kv_heads, p.head_dim);
-  args.o = attn::Packed<void*>(dev + o_off, p.num_heads, p.head_dim);
+  if (in_place) {
+    const DecodedRequest& r = batch.front()->request;
+    args.q = attn::Packed<const void*>(r.q, p.num_heads, p.head_dim);
+    args.k = attn::Packed<const void*>(r.k, p.num_kv_heads, p.head_dim);
+    args.v = attn::Packed<const void*>(r.v, p.num_kv_heads, p.head_dim);
+    args.o = attn::Packed<void*>(in_place_o->data(), p.num_heads, p.head_dim);
+  } else {
+    args.q = attn::Packed<const void*>(dev + q_off, p.num_heads, p.head_dim);
+    args.k = attn::Packed<const void*>(dev + k_off, p.num_kv_heads, p.head_dim);
+    args.v = attn::Packed<const void*>(dev + v_off, p.num_kv_heads, p.head_dim);
+    args.o = attn::Packed<void*>(dev + o_off, p.num_heads, p.head_dim);
+  }
   args.lse = want_lse ? reinterpret_cast<float*>(dev + lse_off) : nullptr;
   args.stream = pool->stream();
   ATTN_RETURN_IF_ERROR(pool->StartComputeTimer());
@@ -275,8 +295,10 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
     v1::Tensor& o = *out.mutable_o();
     o.set_dtype(ToProtoDType(p.dtype));
     for (int64_t d : r.o_shape) o.add_shape(d);
-    o.mutable_data()->assign(reinterpret_cast<const char*>(host + o_off + q_first * q_row),
-                             nq * q_row);
+    if (!in_place) {
+      o.mutable_data()->assign(reinterpret_cast<const char*>(host + o_off + q_first * q_row),
+                               nq * q_row);
+    }
     if (r.return_lse) {
       v1::Tensor& l = *out.mutable_lse();
       l.set_dtype(v1::DTYPE_FLOAT32);

@@ -3,10 +3,14 @@
 // back per request.
 //
 // Compatible = same engine, dtype, head counts, head_dim, mask (causal, window) and scale.
-// A batch closes when its query + key tokens reach max_batch_tokens, when it holds
-// max_batch_requests requests, or max_queue_delay after its oldest request was accepted,
-// whichever comes first; it never exceeds the lane's memory limit. Requests whose deadline has
-// passed, or whose client cancelled, are dropped before compute.
+// Close policy: a lane that is free takes the compatible requests queued at that moment and
+// runs them at once (work-conserving; max_queue_delay = 0, the default). Batches grow with load
+// because requests pile up while every lane is busy. A positive max_queue_delay makes a free
+// lane hold a batch until its query + key tokens reach max_batch_tokens, it holds
+// max_batch_requests requests, or max_queue_delay has passed since its oldest request was
+// accepted. A batch never exceeds max_batch_tokens, max_batch_requests or the lane's memory
+// limit. Requests whose deadline has passed, or whose client cancelled, are dropped before
+// compute.
 //
 // Each lane owns its engines (engines are not thread-safe) and its DevicePool; with several
 // lanes per GPU, one lane's copies overlap another's kernel.
@@ -51,7 +55,7 @@ class Batcher {
   struct Options {
     int64_t max_batch_tokens = 16384;
     int max_batch_requests = 32;
-    absl::Duration max_queue_delay = absl::Milliseconds(2);
+    absl::Duration max_queue_delay = absl::ZeroDuration();  // 0: never hold a batch
     int queue_capacity = 256;
     int64_t memory_limit_bytes = int64_t{2} << 30;
   };

@@ -22,7 +22,7 @@ struct Config {
 
   int64_t max_batch_tokens = 16384;
   int max_batch_requests = 32;
-  absl::Duration max_queue_delay = absl::Milliseconds(2);
+  absl::Duration max_queue_delay = absl::ZeroDuration();  // 0: a free lane never waits
   int queue_capacity = 256;
   int64_t memory_limit_bytes = int64_t{2} << 30;  // per lane
   int64_t max_message_bytes = int64_t{256} << 20;

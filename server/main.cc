@@ -33,8 +33,9 @@ ABSL_FLAG(int, cpu_threads, 0, "CPU engine threads; 0 = all cores");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384,
           "A batch closes when its query + key tokens reach this");
 ABSL_FLAG(int, max_batch_requests, 32, "A batch closes when it holds this many requests");
-ABSL_FLAG(absl::Duration, max_queue_delay, absl::Milliseconds(2),
-          "A batch closes this long after its oldest request arrived");
+ABSL_FLAG(absl::Duration, max_queue_delay, absl::ZeroDuration(),
+          "0: a free lane runs what is queued at once (batches grow under load); > 0: a free "
+          "lane holds a batch that is not full up to this long after its oldest request");
 ABSL_FLAG(int, queue_capacity, 256, "Queued requests; beyond it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, memory_limit_bytes, int64_t{2} << 30,
           "Per lane: bytes of Q, K, V, O and LSE one batch may use (pinned staging and device "
