@@ -14,6 +14,8 @@
 namespace attnserve::client {
 namespace {
 
+constexpr char kAttendMethod[] = "/attnserve.v1.AttentionService/Attend";
+
 double Percentile(const std::vector<double>& sorted, double q) {
   if (sorted.empty()) return 0;
   const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(q * (sorted.size() - 1) + 0.5));
@@ -47,8 +49,20 @@ std::string StatusCodeName(grpc::StatusCode code) {
 LoadGenerator::LoadGenerator(const ChannelFactory* factory,
                              const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                              std::vector<v1::AttendRequest> pool, absl::Duration timeout)
-    : factory_(factory), pool_(std::move(pool)), timeout_(timeout) {
-  for (const auto& channel : channels) stubs_.push_back(v1::AttentionService::NewStub(channel));
+    : factory_(factory), channels_(channels), pool_(std::move(pool)), timeout_(timeout) {
+  for (const auto& channel : channels_) {
+    stubs_.push_back(v1::AttentionService::NewStub(channel));
+    attend_methods_.push_back(std::make_unique<grpc::internal::RpcMethod>(
+        kAttendMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel));
+  }
+  for (const v1::AttendRequest& r : pool_) {
+    grpc::ByteBuffer bytes;
+    bool own_buffer = false;
+    const grpc::Status s =
+        grpc::SerializationTraits<v1::AttendRequest>::Serialize(r, &bytes, &own_buffer);
+    if (!s.ok()) bytes.Clear();  // an empty body: the server answers INVALID_ARGUMENT
+    payloads_.push_back(std::move(bytes));
+  }
   DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{1} << 40;
   for (const v1::AttendRequest& r : pool_) {
@@ -83,8 +97,12 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
         factory_->Prepare(&context, timeout_);
         v1::AttendResponse response;
         const absl::Time t0 = absl::Now();
+        const size_t channel = c % channels_.size();
         const grpc::Status status =
-            stubs_[c % stubs_.size()]->Attend(&context, pool_[next], &response);
+            grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::AttendResponse,
+                                              grpc::ByteBuffer, grpc::protobuf::MessageLite>(
+                channels_[channel].get(), *attend_methods_[channel], &context, payloads_[next],
+                &response);
         const absl::Duration latency = absl::Now() - t0;
         absl::MutexLock lock(&mu);
         if (status.ok()) {
