@@ -6,11 +6,13 @@
 #                    (ATTN_CUDA=AUTO), warnings are errors; CUDA tests skip themselves when no
 #                    GPU is present
 #   build-sanitize/  no CUDA, AddressSanitizer and UndefinedBehaviorSanitizer, RelWithDebInfo
+#   build-fuzz/      clang: the libFuzzer target on the request decoder/validator, run for a
+#                    bounded 20 s by its ctest (only that target is built)
 #
 # Both passes run even when the first fails. The exit status is non-zero when a build or a
 # test failed. The last lines printed are ctest's own summary lines of each pass.
 #
-# Usage: deploy/test.sh [--no-install] [--no-sanitize]
+# Usage: deploy/test.sh [--no-install] [--no-sanitize] [--no-fuzz]
 # Environment: ATTN_BUILD_DIR (default build-test; the sanitizer pass uses ATTN_BUILD_DIR with
 # "-sanitize" in place of "-test", or appended), ATTN_WERROR (main pass, default ON), and those of
 # deploy/common.sh (ATTN_JOBS, ATTN_CUDA_ARCHITECTURES, CUDACXX).
@@ -20,10 +22,12 @@ cd "${ATTN_ROOT}"
 
 install=1
 sanitize=1
+fuzz=1
 for arg in "$@"; do
   case "${arg}" in
     --no-install) install=0 ;;
     --no-sanitize) sanitize=0 ;;
+    --no-fuzz) fuzz=0 ;;
     -h | --help)
       sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
       exit 0
@@ -103,6 +107,38 @@ run_pass main "${main_dir}" -DCMAKE_BUILD_TYPE=Release -DATTN_CUDA=AUTO \
 if [[ ${sanitize} -eq 1 ]]; then
   run_pass sanitize "${sanitize_dir}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_CUDA=OFF \
     -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF -DATTN_WERROR=OFF
+fi
+
+# The fuzzer needs clang's libFuzzer; CI's compiler is GCC, so it gets a clang build of its own.
+if [[ ${fuzz} -eq 1 ]]; then
+  fuzz_dir="${main_dir%-test}-fuzz"
+  [[ "${fuzz_dir}" == "${main_dir}" ]] && fuzz_dir="${main_dir}-fuzz"
+  t0=$(attn_now)
+  echo "==> [fuzz] clang build of attn_request_decoder_fuzzer in ${fuzz_dir}"
+  if attn_configure "${fuzz_dir}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_CUDA=OFF \
+    -DATTN_BUILD_BENCH=OFF -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ &&
+    attn_compile "${fuzz_dir}" attn_request_decoder_fuzzer; then
+    t1=$(attn_now)
+    timings+=("$(printf '%-18s %5ss  ok' "build fuzz" $((t1 - t0)))")
+    outcome=ok
+    if ! ctest --test-dir "${fuzz_dir}" -R '^server_request_decoder_fuzz$' --output-on-failure \
+      --no-tests=error 2>&1 | tee "${fuzz_dir}/ctest.log"; then
+      outcome=FAILED
+      failed+=("fuzz")
+    fi
+    t2=$(attn_now)
+    timings+=("$(printf '%-18s %5ss  %s' "fuzz (20 s run)" $((t2 - t1)) "${outcome}")")
+    summaries+=("[fuzz] ctest in ${fuzz_dir}:")
+    while IFS= read -r line; do
+      summaries+=("${line}")
+    done < <(grep -E '^[0-9]+% tests passed|^No tests were found|^Total Test time' \
+      "${fuzz_dir}/ctest.log" || echo "ctest printed no summary")
+  else
+    t1=$(attn_now)
+    timings+=("$(printf '%-18s %5ss  FAILED' "build fuzz" $((t1 - t0)))")
+    summaries+=("[fuzz] build failed: the fuzzer did not run")
+    failed+=("build fuzz")
+  fi
 fi
 
 echo
