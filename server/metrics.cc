@@ -1,7 +1,6 @@
 #include "server/metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -207,22 +206,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 Metrics::~Metrics() = default;
 
 absl::Status Metrics::StartExporter(const std::string& address) {
-  if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics: exporter already runs");
-  try {
-    // One thread serves scrapes; a second would only help several scrapers at once.
-    auto exposer = std::make_unique<prometheus::Exposer>(address, 1);
-    const std::vector<int> ports = exposer->GetListeningPorts();
-    if (ports.empty() || ports.front() <= 0) {
-      return absl::UnavailableError(
-          absl::StrCat("--metrics_address=", address, ": no listening port"));
-    }
-    exposer->RegisterCollectable(registry_);
-    exporter_port_ = ports.front();
-    exposer_ = std::move(exposer);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("--metrics_address=", address, ": cannot listen there (", e.what(), ")"));
-  }
+  if (endpoint_ != nullptr) return absl::FailedPreconditionError("metrics: exporter already runs");
+  auto endpoint = MetricsHttpEndpoint::Start(address, [this] { return Scrape(); });
+  if (!endpoint.ok()) return endpoint.status();
+  endpoint_ = *std::move(endpoint);
+  exporter_port_ = endpoint_->port();
   return absl::OkStatus();
 }
 

@@ -22,9 +22,9 @@
 #include "attn/engine.h"
 #include "attn/problem.h"
 #include "attnserve/v1/attention.pb.h"
+#include "server/metrics_http_endpoint.h"
 
 namespace prometheus {
-class Exposer;
 class Registry;
 class Counter;
 class Gauge;
@@ -119,7 +119,7 @@ class Metrics {
   void CountRequest(Method method, const absl::Status& status);
 
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpEndpoint> endpoint_;
   int exporter_port_ = 0;
 
   prometheus::Family<prometheus::Gauge>* build_info_;
