@@ -1,6 +1,10 @@
 #include "server/batcher.h"
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -12,6 +16,7 @@ namespace attnserve {
 namespace {
 
 constexpr int64_t kAlign = 256;
+constexpr absl::Duration kMemorySampleInterval = absl::Milliseconds(100);
 
 int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -39,10 +44,29 @@ v1::Path PathOf(attn::EngineKind kind) {
 
 }  // namespace
 
+struct Batcher::Launched {
+  attn::AttentionProblem problem;  // the packed problem
+  int64_t q_row = 0;               // bytes of one query token's O row
+  const std::byte* o = nullptr;    // the batch's O rows, or null when written in place
+  const float* lse = nullptr;      // [heads, total_q], or null
+  attn::EngineKind kind = attn::EngineKind::kCpuTiled;
+  std::string engine_name;
+  uint64_t batch_id = 0;
+  int requests = 0;
+  int64_t tokens = 0;
+  absl::Time started, computed;
+  std::optional<absl::Duration> kernel;  // the engine call, when the pool could time it
+};
+
 Batcher::Batcher(const Options& options, std::vector<Lane> lanes, Metrics* metrics)
     : options_(options), metrics_(metrics), lanes_(std::move(lanes)) {
   threads_.reserve(lanes_.size());
-  for (Lane& lane : lanes_) threads_.emplace_back([this, &lane] { LaneLoop(&lane); });
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    helpers_.push_back(std::make_unique<attn::cpu::ThreadPool>(std::max(1, options_.lane_threads),
+                                                               absl::StrCat("attn-copy", i)));
+    threads_.emplace_back([this, i] { LaneLoop(&lanes_[i], helpers_[i].get()); });
+    pthread_setname_np(threads_.back().native_handle(), absl::StrCat("attn-lane-", i).c_str());
+  }
 }
 
 Batcher::~Batcher() { Stop(); }
@@ -113,7 +137,7 @@ Batcher::Batch Batcher::TakeBatch() {
   return batch;
 }
 
-void Batcher::LaneLoop(Lane* lane) {
+void Batcher::LaneLoop(Lane* lane, attn::cpu::ThreadPool* helpers) {
   while (true) {
     Batch batch;
     {
@@ -130,11 +154,11 @@ void Batcher::LaneLoop(Lane* lane) {
       }
       batch = TakeBatch();
     }
-    RunBatch(*lane, std::move(batch));
+    RunBatch(*lane, *helpers, std::move(batch));
   }
 }
 
-void Batcher::RunBatch(Lane& lane, Batch batch) {
+void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch) {
   const absl::Time now = absl::Now();
   Batch live;
   for (auto& item : batch) {
@@ -155,28 +179,74 @@ void Batcher::RunBatch(Lane& lane, Batch batch) {
   }
   if (live.empty()) return;
 
-  int64_t tokens = 0;
-  for (const auto& item : live) {
-    tokens += item->request.tokens();
-    metrics_->OnPath(lane.engines[item->engine]->kind(), item->path_reason);
+  Launched launched;
+  launched.started = now;
+  launched.batch_id = next_batch_id_.fetch_add(1);
+  launched.requests = static_cast<int>(live.size());
+  std::vector<int64_t> q_first(live.size(), 0);  // each request's first row in the batch
+  for (size_t i = 0; i < live.size(); ++i) {
+    launched.tokens += live[i]->request.tokens();
+    if (i > 0) q_first[i] = q_first[i - 1] + live[i - 1]->request.problem.total_q();
+    metrics_->OnPath(lane.engines[live[i]->engine]->kind(), live[i]->path_reason);
   }
-  const uint64_t batch_id = next_batch_id_.fetch_add(1);
-  const absl::Status status = Execute(lane, live, batch_id, tokens, now);
+  const absl::Status status = Execute(lane, helpers, live, &launched);
   const absl::Time end = absl::Now();
   metrics_->OnBatch(static_cast<int>(live.size()));
-  for (auto& item : live) {
-    metrics_->OnFinished(item->method, status, now - item->accepted, end - item->accepted);
-    item->done(status);
-  }
+  // Each response is copied out and its RPC finished on the lane's threads; the staging region
+  // is reused by the next batch only after every copy here has been made.
+  helpers.ParallelFor(static_cast<int64_t>(live.size()), [&](int, int64_t i) {
+    WorkItem& item = *live[i];
+    if (status.ok()) FillResponse(launched, item, q_first[i]);
+    metrics_->OnFinished(item.method, status, now - item.accepted, end - item.accepted);
+    item.done(status);
+  });
 }
 
-absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id, int64_t tokens,
-                              absl::Time started) {
+void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first) {
+  const attn::AttentionProblem& p = launched.problem;
+  const DecodedRequest& r = item.request;
+  const int64_t nq = r.problem.total_q();
+  const int64_t total_q = p.total_q();
+  v1::AttendResponse& out = *item.response;
+  v1::Tensor& o = *out.mutable_o();
+  o.set_dtype(ToProtoDType(p.dtype));
+  for (int64_t d : r.o_shape) o.add_shape(d);
+  if (launched.o != nullptr) {
+    o.mutable_data()->assign(reinterpret_cast<const char*>(launched.o + q_first * launched.q_row),
+                             static_cast<size_t>(nq * launched.q_row));
+  }
+  if (r.return_lse) {
+    v1::Tensor& l = *out.mutable_lse();
+    l.set_dtype(v1::DTYPE_FLOAT32);
+    l.add_shape(p.num_heads);
+    l.add_shape(nq);
+    std::string* data = l.mutable_data();
+    data->resize(static_cast<size_t>(p.num_heads * nq * 4));
+    for (int h = 0; h < p.num_heads; ++h) {
+      std::memcpy(data->data() + h * nq * 4, launched.lse + h * total_q + q_first, nq * 4);
+    }
+  }
+  out.set_path(PathOf(launched.kind));
+  out.set_engine(launched.engine_name);
+  v1::Timing& t = *out.mutable_timing();
+  t.set_queue_us(absl::ToInt64Microseconds(launched.started - item.accepted));
+  t.set_compute_us(absl::ToInt64Microseconds(launched.computed - launched.started));
+  t.set_total_us(absl::ToInt64Microseconds(absl::Now() - item.accepted));
+  if (launched.kernel.has_value()) t.set_kernel_us(absl::ToInt64Microseconds(*launched.kernel));
+  v1::BatchInfo& bi = *out.mutable_batch();
+  bi.set_batch_id(launched.batch_id);
+  bi.set_requests(launched.requests);
+  bi.set_tokens(launched.tokens);
+}
+
+absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const Batch& batch,
+                              Launched* launched) {
   const WorkItem& first = *batch.front();
   attn::Engine& engine = *lane.engines[first.engine];
 
   // The packed problem: the scalars of the first request, every request's sequences in order.
-  attn::AttentionProblem p = first.request.problem;
+  attn::AttentionProblem& p = launched->problem;
+  p = first.request.problem;
   p.cu_seqlens_q.assign(1, 0);
   p.cu_seqlens_k.assign(1, 0);
   bool want_lse = false;
@@ -230,17 +300,20 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
     in_place_o = batch.front()->response->mutable_o()->mutable_data();
     in_place_o->resize(static_cast<size_t>(total_q * q_row));
   } else {
-    int64_t q_at = q_off, k_at = k_off, v_at = v_off;
-    for (const auto& item : batch) {
-      const attn::AttentionProblem& r = item->request.problem;
-      const int64_t qb = r.total_q() * q_row, kb = r.total_k() * kv_row;
-      if (qb > 0) std::memcpy(host + q_at, item->request.q, qb);
-      if (kb > 0) std::memcpy(host + k_at, item->request.k, kb);
-      if (kb > 0) std::memcpy(host + v_at, item->request.v, kb);
-      q_at += qb;
-      k_at += kb;
-      v_at += kb;
+    // Each request's Q, K and V go to their rows of the packed tensors, on the lane's threads.
+    std::vector<int64_t> q_at(batch.size(), q_off), k_at(batch.size(), 0);
+    for (size_t i = 1; i < batch.size(); ++i) {
+      const attn::AttentionProblem& prev = batch[i - 1]->request.problem;
+      q_at[i] = q_at[i - 1] + prev.total_q() * q_row;
+      k_at[i] = k_at[i - 1] + prev.total_k() * kv_row;
     }
+    helpers.ParallelFor(static_cast<int64_t>(batch.size()), [&](int, int64_t i) {
+      const DecodedRequest& r = batch[i]->request;
+      const int64_t qb = r.problem.total_q() * q_row, kb = r.problem.total_k() * kv_row;
+      if (qb > 0) std::memcpy(host + q_at[i], r.q, qb);
+      if (kb > 0) std::memcpy(host + k_off + k_at[i], r.k, kb);
+      if (kb > 0) std::memcpy(host + v_off + k_at[i], r.v, kb);
+    });
   }
   ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_off));
 
@@ -265,7 +338,7 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
   ATTN_RETURN_IF_ERROR(pool->StopComputeTimer());
   ATTN_RETURN_IF_ERROR(pool->CopyToHost(o_off, end - o_off));
   ATTN_RETURN_IF_ERROR(pool->Synchronize());
-  const absl::Time computed = absl::Now();
+  launched->computed = absl::Now();
 
   Metrics::Launch launch;
   launch.engine = engine.kind();
@@ -278,50 +351,22 @@ absl::Status Batcher::Execute(Lane& lane, const Batch& batch, uint64_t batch_id,
   // Metrics never fail a batch: without the events' time the host clock stands in (copies
   // included), without cudaMemGetInfo the memory gauges keep their last values.
   const absl::StatusOr<absl::Duration> compute = pool->ComputeTime();
-  launch.compute = compute.ok() ? *compute : computed - started;
+  if (compute.ok()) launched->kernel = *compute;
+  launch.compute = compute.ok() ? *compute : launched->computed - launched->started;
   metrics_->OnLaunch(launch);
-  if (device_pool) {
+  if (device_pool && lane.next_memory_sample <= launched->computed) {
+    // cudaMemGetInfo is a driver round trip; a gauge scraped every few seconds does not need
+    // it per batch.
+    lane.next_memory_sample = launched->computed + kMemorySampleInterval;
     int64_t used = 0, total = 0;
     if (pool->DeviceMemory(&used, &total).ok()) metrics_->OnDeviceMemory(device_label, used, total);
   }
 
-  // Split back: each request's O rows, and its columns of the [heads, total_q] LSE.
-  int64_t q_first = 0;
-  const float* lse = reinterpret_cast<const float*>(host + lse_off);
-  for (const auto& item : batch) {
-    const DecodedRequest& r = item->request;
-    const int64_t nq = r.problem.total_q();
-    v1::AttendResponse& out = *item->response;
-    v1::Tensor& o = *out.mutable_o();
-    o.set_dtype(ToProtoDType(p.dtype));
-    for (int64_t d : r.o_shape) o.add_shape(d);
-    if (!in_place) {
-      o.mutable_data()->assign(reinterpret_cast<const char*>(host + o_off + q_first * q_row),
-                               nq * q_row);
-    }
-    if (r.return_lse) {
-      v1::Tensor& l = *out.mutable_lse();
-      l.set_dtype(v1::DTYPE_FLOAT32);
-      l.add_shape(p.num_heads);
-      l.add_shape(nq);
-      std::string* data = l.mutable_data();
-      data->resize(static_cast<size_t>(p.num_heads * nq * 4));
-      for (int h = 0; h < p.num_heads; ++h) {
-        std::memcpy(data->data() + h * nq * 4, lse + h * total_q + q_first, nq * 4);
-      }
-    }
-    out.set_path(PathOf(engine.kind()));
-    out.set_engine(std::string(engine.name()));
-    v1::Timing& t = *out.mutable_timing();
-    t.set_queue_us(absl::ToInt64Microseconds(started - item->accepted));
-    t.set_compute_us(absl::ToInt64Microseconds(computed - started));
-    t.set_total_us(absl::ToInt64Microseconds(absl::Now() - item->accepted));
-    v1::BatchInfo& bi = *out.mutable_batch();
-    bi.set_batch_id(batch_id);
-    bi.set_requests(static_cast<int>(batch.size()));
-    bi.set_tokens(tokens);
-    q_first += nq;
-  }
+  launched->q_row = q_row;
+  launched->o = in_place ? nullptr : host + o_off;
+  launched->lse = want_lse ? reinterpret_cast<const float*>(host + lse_off) : nullptr;
+  launched->kind = engine.kind();
+  launched->engine_name = std::string(engine.name());
   return absl::OkStatus();
 }
 

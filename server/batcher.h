@@ -13,7 +13,10 @@
 // compute.
 //
 // Each lane owns its engines (engines are not thread-safe) and its DevicePool; with several
-// lanes per GPU, one lane's copies overlap another's kernel.
+// lanes per GPU, one lane's copies overlap another's kernel. A lane's host-side work that grows
+// with the batch (staging each request's Q/K/V, copying each O out, finishing each RPC) is spread
+// over `lane_threads` threads, the lane's own included, so a batch of 32 does not pay for 32
+// requests' copies and gRPC sends one after another.
 #pragma once
 
 #include <atomic>
@@ -30,6 +33,7 @@
 #include "absl/time/time.h"
 #include "attn/engine.h"
 #include "attnserve/v1/attention.pb.h"
+#include "cpu/thread_pool.h"
 #include "server/device_pool.h"
 #include "server/metrics.h"
 #include "server/request_decoder.h"
@@ -58,12 +62,14 @@ class Batcher {
     absl::Duration max_queue_delay = absl::ZeroDuration();  // 0: never hold a batch
     int queue_capacity = 256;
     int64_t memory_limit_bytes = int64_t{2} << 30;
+    int lane_threads = 1;  // per lane, the lane thread included
   };
 
   struct Lane {
     std::vector<std::unique_ptr<attn::Engine>> engines;
     std::unique_ptr<DevicePool> host_pool;    // staging for host engines
     std::unique_ptr<DevicePool> device_pool;  // null when the lane has no device engine
+    absl::Time next_memory_sample;            // when the device memory gauges are due
   };
 
   // Starts one thread per lane.
@@ -83,18 +89,22 @@ class Batcher {
 
  private:
   using Batch = std::vector<std::unique_ptr<WorkItem>>;
+  struct Launched;  // what a batch's engine call left for the responses
 
-  void LaneLoop(Lane* lane);
+  void LaneLoop(Lane* lane, attn::cpu::ThreadPool* helpers);
   bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FrontBatchFull() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunBatch(Lane& lane, Batch batch);
-  absl::Status Execute(Lane& lane, const Batch& batch, uint64_t batch_id, int64_t tokens,
-                       absl::Time started);
+  void RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch);
+  absl::Status Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const Batch& batch,
+                       Launched* launched);
+  // Copies the request's O (and LSE) out of the staging region and fills its response.
+  static void FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first);
 
   const Options options_;
   Metrics* const metrics_;
   std::vector<Lane> lanes_;
+  std::vector<std::unique_ptr<attn::cpu::ThreadPool>> helpers_;  // one per lane
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> next_batch_id_{1};
 

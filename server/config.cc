@@ -12,6 +12,9 @@ absl::Status Config::Validate() const {
   };
   if (listen.empty()) return absl::InvalidArgumentError("--listen: must not be empty");
   if (devices.empty()) return absl::InvalidArgumentError("--devices: needs at least one");
+  if (lane_threads < 0 || lane_threads > 64) {
+    return bad("lane_threads", lane_threads, "must be in [0, 64]");
+  }
   if (lanes_per_device < 0 || lanes_per_device > 16) {
     return bad("lanes_per_device", lanes_per_device, "must be in [0, 16]");
   }

@@ -19,6 +19,9 @@ struct Config {
   std::vector<int> devices = {0};  // CUDA ordinals; one set of lanes each
   int lanes_per_device = 0;        // 0: 2 for a GPU (copies overlap compute), 1 for the CPU
   int cpu_threads = 0;             // CPU engine threads; 0 = hardware concurrency
+  // Threads per lane (its own included) for a batch's staging copies, response copies and RPC
+  // finishing; 0: cores / (2 x lanes), between 1 and 4.
+  int lane_threads = 0;
 
   int64_t max_batch_tokens = 16384;
   int max_batch_requests = 32;
@@ -26,6 +29,9 @@ struct Config {
   int queue_capacity = 256;
   int64_t memory_limit_bytes = int64_t{2} << 30;  // per lane
   int64_t max_message_bytes = int64_t{256} << 20;
+
+  // Extra gRPC channel arguments, "name=value" (see server/channel_args.h).
+  std::vector<std::string> grpc_args;
 
   std::string tls_cert_file;
   std::string tls_key_file;

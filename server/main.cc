@@ -34,6 +34,9 @@ ABSL_FLAG(std::vector<std::string>, devices, {"0"}, "CUDA device ordinals to ser
 ABSL_FLAG(int, lanes_per_device, 0,
           "Batch lanes (threads, each with its own engines, stream and pool) per device; "
           "0 = 2 on a GPU, 1 on the CPU");
+ABSL_FLAG(int, lane_threads, 0,
+          "Threads per lane, its own included, that stage a batch's requests, copy its "
+          "responses out and finish their RPCs; 0 = cores / (2 x lanes), at most 4");
 ABSL_FLAG(int, cpu_threads, 0, "CPU engine threads; 0 = all cores");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384,
           "A batch closes when its query + key tokens reach this");
@@ -46,6 +49,9 @@ ABSL_FLAG(int64_t, memory_limit_bytes, int64_t{2} << 30,
           "Per lane: bytes of Q, K, V, O and LSE one batch may use (pinned staging and device "
           "pool grow up to it); larger requests get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "Largest gRPC message, each way");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Extra gRPC server channel arguments, name=value[,name=value...] (integers are passed "
+          "as integers), e.g. grpc.http2.max_frame_size=1048576");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; enables TLS with --tls_key_file");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key for --tls_cert_file");
 ABSL_FLAG(std::string, auth_token_file, "",
@@ -76,6 +82,8 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
     c.devices.push_back(ordinal);
   }
   c.lanes_per_device = absl::GetFlag(FLAGS_lanes_per_device);
+  c.lane_threads = absl::GetFlag(FLAGS_lane_threads);
+  c.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);

@@ -3,6 +3,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "attn/problem.h"
 #include "attn/status_macros.h"
+#include "server/channel_args.h"
 #include "server/device_pool.h"
 #include "server/logging.h"
 
@@ -180,6 +182,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   batch_options.max_queue_delay = config.max_queue_delay;
   batch_options.queue_capacity = config.queue_capacity;
   batch_options.memory_limit_bytes = config.memory_limit_bytes;
+  batch_options.lane_threads =
+      config.lane_threads > 0
+          ? config.lane_threads
+          : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / (2 * lane_count), 1,
+                       4);
   self->batcher_ = std::make_unique<Batcher>(batch_options, std::move(lanes), &self->metrics_);
 
   AttentionService::Options service_options;
@@ -206,6 +213,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   builder.AddListeningPort(config.listen, credentials, &self->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  ATTN_ASSIGN_OR_RETURN(std::vector<ChannelArg> channel_args,
+                        ParseChannelArgs(config.grpc_args, "grpc_arg"));
+  for (const ChannelArg& arg : channel_args) {
+    if (const int* number = std::get_if<int>(&arg.value)) {
+      builder.AddChannelArgument(arg.name, *number);
+    } else {
+      builder.AddChannelArgument(arg.name, std::get<std::string>(arg.value));
+    }
+  }
   builder.RegisterService(self->service_.get());
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr || self->port_ == 0) {

@@ -2,12 +2,17 @@
 # End-to-end benchmark of the attnserve server: starts `attnserve` on a loopback ephemeral port,
 # drives it with `attnserve_client bench` (closed loop) for two request shapes, with dynamic
 # batching on (the server's defaults) and off (--max_batch_requests=1: one request per engine
-# call), and writes one JSON line per (shape, batching, concurrency) plus a printed table.
+# call), over unary Attend calls and over pipelined AttendStream calls, and writes one JSON line
+# per (shape, batching, rpc, concurrency) plus a printed table. Each level is its own client run,
+# bracketed by per-thread CPU snapshots of the server (thread_cpu.py); the client reports its
+# own CPU time, so each row says how many cores server and client kept busy.
 #
 #   bash bench/server/server_bench.sh            # build-serverbench/ binaries, results in $OUT
 #
 # Shapes (dense, self-attention, batch 1 per request, not causal):
 #   small: N = 64,   8 heads,  d = 64,  float16   concurrency 1, 4, 16, 64
+#   tiny:  N = 1,    8 heads,  d = 64,  float16   concurrency 1, 64 (not in the default SETS: the
+#          RPC path with 1 KiB of payload, the floor under the small set's figures)
 #   large: N = 4096, 32 heads, d = 128, bfloat16  concurrency 1, 2, 4, 8
 #
 # Knobs (environment):
@@ -16,6 +21,9 @@
 #                    one server log per run
 #   DURATION         closed-loop time per concurrency level (default 3s)
 #   SETS             small,large (default both)       MODES  on,off (default both)
+#   RPCS             unary,stream (default both)
+#   STREAMS          AttendStream calls per level for rpc=stream (default 8)
+#   CHANNELS         gRPC channels (connections) of the client (default 4)
 #   SMALL_LEVELS, LARGE_LEVELS   concurrency lists (defaults above)
 #   LARGE_N, LARGE_HEADS         override the large shape (the CPU engine needs seconds per
 #                                N = 4096 request)
@@ -23,6 +31,7 @@
 #   METRICS_ADDRESS  --metrics_address (default empty: the Prometheus exporter off; the
 #                    in-process counters still run)
 #   SERVER_ARGS      extra server flags for every run; ON_ARGS / OFF_ARGS for one mode
+#   CLIENT_ARGS      extra flags for every client run (e.g. --grpc_arg=...)
 #   LEVEL_TIMEOUT    hard limit in seconds on one client run (default 120)
 #
 # Every run is bounded (`timeout` on the client, SIGTERM then SIGKILL on the server), listens on
@@ -38,6 +47,9 @@ out=${OUT:-/tmp/server-bench}
 duration=${DURATION:-3s}
 sets=${SETS:-small,large}
 modes=${MODES:-on,off}
+rpcs=${RPCS:-unary,stream}
+streams=${STREAMS:-8}
+channels=${CHANNELS:-4}
 level_timeout=${LEVEL_TIMEOUT:-120}
 engine=${ENGINE:-auto}
 metrics_address=${METRICS_ADDRESS:-}
@@ -89,10 +101,13 @@ command -v nvidia-smi >/dev/null &&
 
 IFS=, read -r -a set_list <<<"$sets"
 IFS=, read -r -a mode_list <<<"$modes"
+IFS=, read -r -a rpc_list <<<"$rpcs"
 for set in "${set_list[@]}"; do
   case $set in
     small) shape=(--dtype=float16 --batch=1 --seqlen_q=64 --seqlen_k=64 --heads=8 --head_dim=64)
            levels=${SMALL_LEVELS:-1,4,16,64}; pool=8 ;;
+    tiny) shape=(--dtype=float16 --batch=1 --seqlen_q=1 --seqlen_k=1 --heads=8 --head_dim=64)
+          levels=${TINY_LEVELS:-1,64}; pool=8 ;;
     large) n=${LARGE_N:-4096}
            shape=(--dtype=bfloat16 --batch=1 --seqlen_q="$n" --seqlen_k="$n"
                   --heads="${LARGE_HEADS:-32}" --head_dim=128)
@@ -112,17 +127,26 @@ for set in "${set_list[@]}"; do
     target="127.0.0.1:$port"
     info=$("$client" info --target="$target" --json --timeout=10s 2>&1)
     echo "-- $set, batching $mode: server ${server_args[*]:-(defaults)} on $target"
-    bench_json="$out/bench-$set-$mode.json"
-    timeout -k 5 "$level_timeout" "$client" bench --target="$target" --json \
-      --concurrency="$levels" --duration="$duration" --pool="$pool" --timeout=60s "${shape[@]}" \
-      >"$bench_json" 2>"$out/bench-$set-$mode.err"
-    rc=$?
-    stop_server
-    [[ $rc -eq 0 ]] || echo "server_bench: client exit $rc ($set, $mode), see $out/bench-$set-$mode.err" >&2
-    python3 - "$bench_json" "$set" "$mode" "${server_args[*]}" "$info" "${shape[*]}" \
-      >>"$jsonl" <<'PY'
+    IFS=, read -r -a level_list <<<"$levels"
+    read -r -a client_args <<<"${CLIENT_ARGS:-}"
+    for rpc in "${rpc_list[@]}"; do
+      for level in "${level_list[@]}"; do
+        tag="$set-$mode-$rpc-$level"
+        bench_json="$out/bench-$tag.json"
+        python3 "$here/thread_cpu.py" snapshot "$server_pid" >"$out/cpu-before.json" 2>/dev/null
+        timeout -k 5 "$level_timeout" "$client" bench --target="$target" --json --rpc="$rpc" \
+          --streams="$streams" --channels="$channels" --concurrency="$level" \
+          --duration="$duration" --pool="$pool" --timeout=60s "${shape[@]}" "${client_args[@]}" \
+          >"$bench_json" 2>"$out/bench-$tag.err"
+        rc=$?
+        python3 "$here/thread_cpu.py" snapshot "$server_pid" >"$out/cpu-after.json" 2>/dev/null
+        python3 "$here/thread_cpu.py" diff "$out/cpu-before.json" "$out/cpu-after.json" \
+          >"$out/cpu-$tag.json" 2>/dev/null || echo '{}' >"$out/cpu-$tag.json"
+        [[ $rc -eq 0 ]] || echo "server_bench: client exit $rc ($tag), see $out/bench-$tag.err" >&2
+        python3 - "$bench_json" "$set" "$mode" "${server_args[*]}" "$info" "${shape[*]}" \
+          "$out/cpu-$tag.json" "${client_args[*]}" >>"$jsonl" <<'PY'
 import json, sys
-path, set_, mode, args, info, shape = sys.argv[1:7]
+path, set_, mode, args, info, shape, cpu, client_args = sys.argv[1:9]
 try:
     rows = json.load(open(path))
 except Exception as e:
@@ -132,6 +156,10 @@ try:
     info = json.loads(info)
 except Exception:
     info = {}
+try:
+    cpu = json.load(open(cpu))
+except Exception:
+    cpu = {}
 flags = dict(a[2:].split("=", 1) for a in shape.split())
 n, h, d = int(flags["seqlen_q"]), int(flags["heads"]), int(flags["head_dim"])
 es = 2 if flags["dtype"] in ("float16", "bfloat16") else 4
@@ -141,9 +169,14 @@ for r in rows:
         "seqlen": n, "heads": h, "head_dim": d,
         "request_bytes": 3 * n * h * d * es, "response_bytes": n * h * d * es,
         "gpu": info.get("gpu", False), "engines": info.get("engines", []),
+        "server_cpu_s": cpu.get("total_s"), "server_threads_cpu_s": cpu.get("threads", {}),
+        "client_args": client_args,
     })
     print(json.dumps(r))
 PY
+      done
+    done
+    stop_server
   done
 done
 
@@ -151,36 +184,49 @@ python3 - "$jsonl" <<'PY' | tee "$out/table.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 rows = [r for r in rows if "p50_compute_ms" in r]
-print("| set | batching | conc | req/s | tok/s | TFLOP/s | p50 ms | p90 ms | p99 ms | batch | "
-      "compute p50 ms | queue p50 ms | overhead p50 ms | errors |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| set | batching | rpc | conc | req/s | p50 ms | p99 ms | batch | kernel p50 ms | "
+      "compute p50 ms | queue p50 ms | overhead p50 ms | outside p50 ms | server CPU | "
+      "client CPU | errors |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     err = sum(r["errors"].values())
-    print(f"| {r['set']} | {r['batching']} | {r['level']:g} | {r['requests_per_s']:.1f} | "
-          f"{r['tokens_per_s']:.0f} | {r['tflops']:.3f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | "
-          f"{r['p99_ms']:.2f} | {r['mean_batch_requests']:.2f} | {r['p50_compute_ms']:.3f} | "
-          f"{r['p50_queue_ms']:.3f} | {r['p50_overhead_ms']:.3f} | {err} |")
-by = {(r["set"], r["batching"], r["level"]): r for r in rows}
+    secs = r["seconds"] or 1
+    scpu = r.get("server_cpu_s")
+    scpu = f"{scpu / secs:.1f}" if scpu is not None else "-"
+    print(f"| {r['set']} | {r['batching']} | {r.get('rpc', 'unary')} | {r['level']:g} | "
+          f"{r['requests_per_s']:.1f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+          f"{r['mean_batch_requests']:.2f} | {r.get('p50_kernel_ms', 0):.4f} | "
+          f"{r['p50_compute_ms']:.3f} | {r['p50_queue_ms']:.3f} | {r['p50_overhead_ms']:.3f} | "
+          f"{r['p50_outside_ms']:.3f} | {scpu} | {r.get('client_cpu_s', 0) / secs:.1f} | {err} |")
+print("\n(server / client CPU: cores busy on average over the level, from /proc and getrusage)")
+for r in rows:
+    if r["errors"]:
+        print(f"errors, {r['set']} {r['batching']} {r.get('rpc', 'unary')} {r['level']:g}: "
+              f"{r['errors']} first: {r.get('first_errors', {})}")
+by = {(r["set"], r["batching"], r.get("rpc", "unary"), r["level"]): r for r in rows}
 print()
-small = sorted({r["level"] for r in rows if r["set"] == "small"})
-if small:
+for rpc in ("unary", "stream"):
+    small = sorted({r["level"] for r in rows if r["set"] == "small" and r.get("rpc", "unary") == rpc})
+    if not small:
+        continue
     top = small[-1]
-    on, off = by.get(("small", "on", top)), by.get(("small", "off", top))
+    on, off = by.get(("small", "on", rpc, top)), by.get(("small", "off", rpc, top))
     if on and off and off["requests_per_s"] > 0:
-        print(f"small, concurrency {top:g}: batching on/off throughput = "
+        print(f"small, {rpc}, concurrency {top:g}: batching on/off throughput = "
               f"{on['requests_per_s'] / off['requests_per_s']:.2f}x (target >= 3x)")
     for mode in ("on", "off"):
-        r = by.get(("small", mode, 1))
+        r = by.get(("small", mode, rpc, 1))
         if r:
-            print(f"small, batching {mode}, concurrency 1: p50 server overhead "
-                  f"{r['p50_overhead_ms'] * 1e3:.0f} us (end-to-end - compute_us; target < 200 us)")
+            print(f"small, {rpc}, batching {mode}, concurrency 1: p50 server overhead "
+                  f"{r['p50_overhead_ms'] * 1e3:.0f} us (end-to-end - kernel_us; target < 200 us)")
 for r in rows:
     if r["set"] != "large":
         continue
     mb = (r["request_bytes"] + r["response_bytes"]) / 2**20
     gbs = (r["request_bytes"] + r["response_bytes"]) * r["requests_per_s"] / 1e9
-    print(f"large, batching {r['batching']}, conc {r['level']:g}: {mb:.0f} MiB moved per request, "
-          f"{gbs:.2f} GB/s of payload, compute {r['p50_compute_ms']:.1f} of {r['p50_ms']:.1f} ms "
-          f"end-to-end (p50)")
+    print(f"large, batching {r['batching']}, {r.get('rpc', 'unary')}, conc {r['level']:g}: "
+          f"{mb:.0f} MiB moved per request, {gbs:.2f} GB/s of payload, kernel "
+          f"{r.get('p50_kernel_ms', 0):.2f} ms, compute {r['p50_compute_ms']:.1f} of "
+          f"{r['p50_ms']:.1f} ms end-to-end (p50)")
 PY
 echo "results: $jsonl"

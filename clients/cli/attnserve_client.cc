@@ -5,7 +5,7 @@
 //   attnserve_client attend [shape flags] [--check] [--count=N] [--json]
 //                           [--q_npy=q.npy --k_npy=k.npy --v_npy=v.npy] [--o_npy=o.npy]
 //   attnserve_client bench  [shape flags] [--concurrency=1,4,16] [--rates=100,200]
-//                           [--duration=5s] [--json]
+//                           [--rpc=unary|stream --streams=4] [--duration=5s] [--json]
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
 #include <google/protobuf/util/json_util.h>
@@ -73,6 +73,12 @@ ABSL_FLAG(std::vector<std::string>, rates, {}, "bench: open-loop request rates (
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(5), "bench: time per level");
 ABSL_FLAG(int, pool, 8, "bench: distinct requests to cycle through");
 ABSL_FLAG(int, channels, 4, "bench: gRPC channels (connections) the clients share round-robin");
+ABSL_FLAG(std::string, rpc, "unary",
+          "bench: closed loop over 'unary' Attend calls (one per client) or 'stream' (the "
+          "concurrency pipelined over --streams AttendStream calls)");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Extra gRPC channel arguments, name=value[,name=value...] (integers as integers)");
+ABSL_FLAG(int, streams, 4, "bench --rpc=stream: AttendStream calls, spread over the channels");
 
 namespace {
 
@@ -276,6 +282,20 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
   return failures == 0 ? 0 : 1;
 }
 
+// Waits until `channel` is READY, reporting each failed attempt (gRPC retries with backoff).
+bool WaitConnected(grpc::Channel& channel, int index, absl::Duration timeout) {
+  const auto deadline = absl::ToChronoTime(absl::Now() + timeout);
+  grpc_connectivity_state state = channel.GetState(/*try_to_connect=*/true);
+  while (state != GRPC_CHANNEL_READY) {
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+      std::fprintf(stderr, "bench: channel %d: connection attempt failed, retrying\n", index);
+    }
+    if (!channel.WaitForStateChange(state, deadline)) return false;
+    state = channel.GetState(/*try_to_connect=*/true);
+  }
+  return true;
+}
+
 int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
   attnserve::client::ShapeSpec spec;
   std::string error;
@@ -291,14 +311,33 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
     if (!another.ok()) return Usage(std::string(another.status().message()));
     channels.push_back(*std::move(another));
   }
+  // Connect every channel before measuring: a channel whose first connection attempt fails
+  // would otherwise fail its share of calls at once (UNAVAILABLE) until its reconnect backoff
+  // ends, and the level would measure that instead of the server.
+  for (size_t i = 0; i < channels.size(); ++i) {
+    if (!WaitConnected(*channels[i], static_cast<int>(i), absl::GetFlag(FLAGS_timeout))) {
+      std::fprintf(stderr, "bench: channel %zu did not connect to %s within --timeout\n", i,
+                   absl::GetFlag(FLAGS_target).c_str());
+      return 1;
+    }
+  }
   attnserve::client::LoadGenerator generator(&factory, channels, std::move(pool),
                                              absl::GetFlag(FLAGS_timeout));
   std::vector<attnserve::client::LoadResult> results;
   const bool json = absl::GetFlag(FLAGS_json);
+  const std::string rpc = absl::GetFlag(FLAGS_rpc);
+  if (rpc != "unary" && rpc != "stream") return Usage("--rpc: 'unary' or 'stream'");
+  if (absl::GetFlag(FLAGS_streams) < 1) return Usage("--streams: at least 1");
+  if (rpc == "stream" && !absl::GetFlag(FLAGS_rates).empty()) {
+    return Usage("--rates: the open loop runs over unary calls only (leave --rpc=unary)");
+  }
   for (const std::string& level : absl::GetFlag(FLAGS_concurrency)) {
     int n = 0;
     if (!absl::SimpleAtoi(level, &n) || n < 1) return Usage("--concurrency: positive integers");
-    results.push_back(generator.RunClosedLoop(n, absl::GetFlag(FLAGS_duration)));
+    const absl::Duration duration = absl::GetFlag(FLAGS_duration);
+    results.push_back(rpc == "stream"
+                          ? generator.RunClosedLoopStream(n, absl::GetFlag(FLAGS_streams), duration)
+                          : generator.RunClosedLoop(n, duration));
     if (!json) std::printf("%s\n", results.back().ToText().c_str());
   }
   for (const std::string& level : absl::GetFlag(FLAGS_rates)) {
@@ -334,6 +373,7 @@ int main(int argc, char** argv) {
   options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   options.auth_token = absl::GetFlag(FLAGS_auth_token);
+  options.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   const ChannelFactory factory(options);
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = factory.Connect();
   if (!channel.ok()) return Usage(std::string(channel.status().message()));

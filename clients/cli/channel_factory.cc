@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "server/channel_args.h"
 
 namespace attnserve::client {
 
@@ -14,6 +15,15 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelFactory::Connect() const {
   // Each channel gets its own connection, so that a load generator with several channels is
   // not limited to one HTTP/2 connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  absl::StatusOr<std::vector<ChannelArg>> extra = ParseChannelArgs(options_.grpc_args, "grpc_arg");
+  if (!extra.ok()) return extra.status();
+  for (const ChannelArg& arg : *extra) {
+    if (const int* number = std::get_if<int>(&arg.value)) {
+      args.SetInt(arg.name, *number);
+    } else {
+      args.SetString(arg.name, std::get<std::string>(arg.value));
+    }
+  }
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (!options_.tls_ca_file.empty()) {
     std::ifstream in(options_.tls_ca_file);

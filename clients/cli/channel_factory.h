@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -19,6 +20,7 @@ struct ChannelOptions {
   std::string tls_server_name;  // overrides the name checked against the certificate
   std::string auth_token;       // set: "authorization: Bearer <token>" on every call
   int64_t max_message_bytes = int64_t{256} << 20;
+  std::vector<std::string> grpc_args;  // extra channel arguments, "name=value"
 };
 
 class ChannelFactory {

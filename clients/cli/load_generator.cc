@@ -1,10 +1,13 @@
 #include "clients/cli/load_generator.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -15,6 +18,30 @@ namespace attnserve::client {
 namespace {
 
 constexpr char kAttendMethod[] = "/attnserve.v1.AttentionService/Attend";
+constexpr char kAttendStreamMethod[] = "/attnserve.v1.AttentionService/AttendStream";
+
+std::string JsonEscape(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<int>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// User + system CPU seconds of this process so far.
+double ProcessCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 double Percentile(const std::vector<double>& sorted, double q) {
   if (sorted.empty()) return 0;
@@ -54,14 +81,24 @@ LoadGenerator::LoadGenerator(const ChannelFactory* factory,
     stubs_.push_back(v1::AttentionService::NewStub(channel));
     attend_methods_.push_back(std::make_unique<grpc::internal::RpcMethod>(
         kAttendMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel));
+    stream_methods_.push_back(std::make_unique<grpc::internal::RpcMethod>(
+        kAttendStreamMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel));
   }
-  for (const v1::AttendRequest& r : pool_) {
+  auto serialize = [](const v1::AttendRequest& r) {
     grpc::ByteBuffer bytes;
     bool own_buffer = false;
     const grpc::Status s =
         grpc::SerializationTraits<v1::AttendRequest>::Serialize(r, &bytes, &own_buffer);
     if (!s.ok()) bytes.Clear();  // an empty body: the server answers INVALID_ARGUMENT
-    payloads_.push_back(std::move(bytes));
+    return bytes;
+  };
+  for (const v1::AttendRequest& r : pool_) {
+    payloads_.push_back(serialize(r));
+    v1::AttendRequest body = r;
+    body.clear_request_id();
+    std::vector<grpc::Slice> slices;
+    if (!serialize(body).Dump(&slices).ok()) slices.clear();
+    bodies_.push_back(std::move(slices));
   }
   DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{1} << 40;
@@ -79,13 +116,13 @@ LoadGenerator::Sample LoadGenerator::MakeSample(absl::Duration latency, size_t r
           response.batch().requests(),
           response.timing().queue_us(),
           response.timing().compute_us(),
-          response.timing().total_us()};
+          response.timing().total_us(),
+          response.timing().kernel_us()};
 }
 
 LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration) {
-  absl::Mutex mu;
-  std::vector<Sample> samples;
-  std::map<std::string, int64_t> errors;
+  Tally tally;
+  tally.cpu_at_start = ProcessCpuSeconds();
   const absl::Time start = absl::Now();
   const absl::Time stop = start + duration;
   std::vector<std::thread> clients;
@@ -104,18 +141,126 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
                 channels_[channel].get(), *attend_methods_[channel], &context, payloads_[next],
                 &response);
         const absl::Duration latency = absl::Now() - t0;
-        absl::MutexLock lock(&mu);
+        absl::MutexLock lock(&tally.mu);
         if (status.ok()) {
-          samples.push_back(MakeSample(latency, next, response));
+          tally.samples.push_back(MakeSample(latency, next, response));
         } else {
-          ++errors[StatusCodeName(status.error_code())];
+          tally.Error(StatusCodeName(status.error_code()), status.error_message());
         }
         next = (next + 1) % pool_.size();
       }
     });
   }
   for (std::thread& t : clients) t.join();
-  return Summarize("closed", concurrency, absl::Now() - start, std::move(samples), errors);
+  return Summarize("closed", "unary", concurrency, absl::Now() - start, tally);
+}
+
+LoadResult LoadGenerator::RunClosedLoopStream(int concurrency, int streams,
+                                              absl::Duration duration) {
+  streams = std::clamp(streams, 1, std::max(1, concurrency));
+  Tally tally;
+  tally.cpu_at_start = ProcessCpuSeconds();
+  const absl::Time start = absl::Now();
+  const absl::Time stop = start + duration;
+  std::vector<std::thread> threads;
+  for (int s = 0; s < streams; ++s) {
+    const int depth = concurrency / streams + (s < concurrency % streams ? 1 : 0);
+    threads.emplace_back([this, s, depth, stop, &tally] { RunStream(s, depth, stop, &tally); });
+  }
+  for (std::thread& t : threads) t.join();
+  LoadResult r = Summarize("closed", "stream", concurrency, absl::Now() - start, tally);
+  r.streams = streams;
+  return r;
+}
+
+void LoadGenerator::RunStream(int stream, int depth, absl::Time stop, Tally* tally) {
+  const size_t channel = static_cast<size_t>(stream) % channels_.size();
+  grpc::ClientContext context;
+  // The deadline covers the whole stream: the load, then the last responses.
+  factory_->Prepare(&context, (stop - absl::Now()) + timeout_);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, v1::AttendResponse>> call(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::AttendResponse>::Create(
+          channels_[channel].get(), *stream_methods_[channel], &context));
+
+  // Slot i is one request in flight at a time, tagged request_id = i.
+  struct Slot {
+    grpc::Slice id;  // the serialized message holding only request_id
+    absl::Time sent;
+    size_t request = 0;
+  };
+  std::vector<Slot> slots(static_cast<size_t>(depth));
+  for (int i = 0; i < depth; ++i) {
+    v1::AttendRequest id_only;
+    id_only.set_request_id(absl::StrCat(i));
+    slots[i].id = grpc::Slice(id_only.SerializeAsString());
+  }
+  absl::Mutex mu;
+  std::vector<int> free_slots;  // guarded by mu
+  for (int i = depth - 1; i >= 0; --i) free_slots.push_back(i);
+  int in_flight = 0;  // guarded by mu
+
+  // Responses arrive in completion order on this thread; each frees its slot for the writer.
+  std::thread reader([&] {
+    v1::AttendResponse response;
+    while (call->Read(&response)) {
+      const absl::Time now = absl::Now();
+      int slot = -1;
+      if (!absl::SimpleAtoi(response.request_id(), &slot) || slot < 0 || slot >= depth) {
+        absl::MutexLock lock(&tally->mu);
+        tally->Error("UNMATCHED_RESPONSE",
+                     absl::StrCat("request_id '", response.request_id(), "'"));
+        continue;
+      }
+      const Slot& s = slots[slot];
+      {
+        absl::MutexLock lock(&tally->mu);
+        if (response.has_error()) {
+          tally->Error(StatusCodeName(static_cast<grpc::StatusCode>(response.error().code())),
+                       response.error().message());
+        } else {
+          tally->samples.push_back(MakeSample(now - s.sent, s.request, response));
+        }
+      }
+      absl::MutexLock lock(&mu);
+      --in_flight;
+      free_slots.push_back(slot);
+    }
+  });
+
+  size_t next = static_cast<size_t>(stream) % pool_.size();
+  while (true) {
+    int slot = -1;
+    {
+      absl::MutexLock lock(&mu);
+      auto has_free = [&free_slots]() { return !free_slots.empty(); };
+      mu.AwaitWithDeadline(absl::Condition(&has_free), stop);
+      if (free_slots.empty() || absl::Now() >= stop) break;
+      slot = free_slots.back();
+      free_slots.pop_back();
+      ++in_flight;
+    }
+    Slot& s = slots[slot];
+    std::vector<grpc::Slice> message;
+    message.reserve(1 + bodies_[next].size());
+    message.push_back(s.id);
+    message.insert(message.end(), bodies_[next].begin(), bodies_[next].end());
+    const grpc::ByteBuffer bytes(message.data(), message.size());
+    s.request = next;
+    s.sent = absl::Now();
+    if (!call->Write(bytes)) break;  // the stream failed; Finish says why
+    next = (next + 1) % pool_.size();
+  }
+  call->WritesDone();
+  reader.join();
+  const grpc::Status status = call->Finish();
+  absl::MutexLock lock(&mu);
+  if (in_flight > 0) {  // sent but never answered
+    absl::MutexLock tally_lock(&tally->mu);
+    tally->Error(StatusCodeName(status.ok() ? grpc::StatusCode::UNKNOWN : status.error_code()),
+                 absl::StrCat("stream ended with ", in_flight,
+                              " requests unanswered: ", status.error_message()),
+                 in_flight);
+  }
 }
 
 LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration duration) {
@@ -126,8 +271,8 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
     size_t request;
   };
   absl::Mutex mu;
-  std::vector<Sample> samples;
-  std::map<std::string, int64_t> errors;
+  Tally tally;
+  tally.cpu_at_start = ProcessCpuSeconds();
   int outstanding = 0;
   std::mt19937_64 rng(12345);
   std::exponential_distribution<double> gap(requests_per_s);
@@ -148,12 +293,15 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
     stubs_[next % stubs_.size()]->async()->Attend(
         &call->context, &pool_[next], &call->response, [&, call](grpc::Status status) {
           const absl::Duration latency = absl::Now() - call->sent;
-          absl::MutexLock lock(&mu);
-          if (status.ok()) {
-            samples.push_back(MakeSample(latency, call->request, call->response));
-          } else {
-            ++errors[StatusCodeName(status.error_code())];
+          {
+            absl::MutexLock lock(&tally.mu);
+            if (status.ok()) {
+              tally.samples.push_back(MakeSample(latency, call->request, call->response));
+            } else {
+              tally.Error(StatusCodeName(status.error_code()), status.error_message());
+            }
           }
+          absl::MutexLock lock(&mu);
           --outstanding;
           delete call;
         });
@@ -165,32 +313,37 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
     mu.Await(absl::Condition(
         +[](int* n) { return *n == 0; }, &outstanding));
   }
-  return Summarize("open", requests_per_s, absl::Now() - start, std::move(samples), errors);
+  return Summarize("open", "unary", requests_per_s, absl::Now() - start, tally);
 }
 
-LoadResult LoadGenerator::Summarize(const std::string& mode, double level, absl::Duration elapsed,
-                                    std::vector<Sample> samples,
-                                    const std::map<std::string, int64_t>& errors) const {
+LoadResult LoadGenerator::Summarize(const std::string& mode, const std::string& rpc, double level,
+                                    absl::Duration elapsed, Tally& tally) const {
+  absl::MutexLock lock(&tally.mu);
+  const std::vector<Sample>& samples = tally.samples;
   LoadResult r;
   r.mode = mode;
+  r.rpc = rpc;
   r.level = level;
   r.seconds = absl::ToDoubleSeconds(elapsed);
   r.ok = static_cast<int64_t>(samples.size());
-  r.errors = errors;
-  std::vector<double> ms, queue_ms, compute_ms, overhead_ms, outside_ms;
+  r.errors = tally.errors;
+  r.first_errors = tally.first_errors;
+  r.client_cpu_s = ProcessCpuSeconds() - tally.cpu_at_start;
+  std::vector<double> ms, queue_ms, compute_ms, kernel_ms, overhead_ms, outside_ms;
   double flops = 0, tokens = 0, batch = 0;
   for (const Sample& s : samples) {
     const double e2e = absl::ToDoubleMilliseconds(s.latency);
     ms.push_back(e2e);
     queue_ms.push_back(s.queue_us / 1e3);
     compute_ms.push_back(s.compute_us / 1e3);
-    overhead_ms.push_back(e2e - s.compute_us / 1e3);
+    kernel_ms.push_back(s.kernel_us / 1e3);
+    overhead_ms.push_back(e2e - s.kernel_us / 1e3);
     outside_ms.push_back(e2e - s.total_us / 1e3);
     flops += flops_[s.request];
     tokens += static_cast<double>(tokens_[s.request]);
     batch += s.batch_requests;
   }
-  for (auto* v : {&ms, &queue_ms, &compute_ms, &overhead_ms, &outside_ms}) {
+  for (auto* v : {&ms, &queue_ms, &compute_ms, &kernel_ms, &overhead_ms, &outside_ms}) {
     std::sort(v->begin(), v->end());
   }
   if (r.seconds > 0) {
@@ -203,6 +356,7 @@ LoadResult LoadGenerator::Summarize(const std::string& mode, double level, absl:
   r.p99_ms = Percentile(ms, 0.99);
   r.p50_queue_ms = Percentile(queue_ms, 0.50);
   r.p50_compute_ms = Percentile(compute_ms, 0.50);
+  r.p50_kernel_ms = Percentile(kernel_ms, 0.50);
   r.p50_overhead_ms = Percentile(overhead_ms, 0.50);
   r.p50_outside_ms = Percentile(outside_ms, 0.50);
   r.mean_batch_requests = r.ok > 0 ? batch / r.ok : 0;
@@ -210,28 +364,35 @@ LoadResult LoadGenerator::Summarize(const std::string& mode, double level, absl:
 }
 
 std::string LoadResult::ToJson() const {
-  std::string errs;
+  std::string errs, messages;
   for (const auto& [code, n] : errors) {
     absl::StrAppend(&errs, errs.empty() ? "" : ", ", "\"", code, "\": ", n);
   }
+  for (const auto& [code, message] : first_errors) {
+    absl::StrAppend(&messages, messages.empty() ? "" : ", ", "\"", code, "\": \"",
+                    JsonEscape(message), "\"");
+  }
   return absl::StrFormat(
-      "{\"mode\": \"%s\", \"level\": %g, \"seconds\": %.3f, \"ok\": %d, \"errors\": {%s}, "
-      "\"requests_per_s\": %.2f, \"tokens_per_s\": %.1f, \"tflops\": %.6f, \"p50_ms\": %.3f, "
-      "\"p90_ms\": %.3f, \"p99_ms\": %.3f, \"mean_batch_requests\": %.2f, "
-      "\"p50_queue_ms\": %.3f, \"p50_compute_ms\": %.3f, \"p50_overhead_ms\": %.3f, "
-      "\"p50_outside_ms\": %.3f}",
-      mode, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
-      mean_batch_requests, p50_queue_ms, p50_compute_ms, p50_overhead_ms, p50_outside_ms);
+      "{\"mode\": \"%s\", \"rpc\": \"%s\", \"streams\": %d, \"level\": %g, \"seconds\": %.3f, "
+      "\"ok\": %d, \"errors\": {%s}, \"requests_per_s\": %.2f, \"tokens_per_s\": %.1f, "
+      "\"tflops\": %.6f, \"p50_ms\": %.3f, \"p90_ms\": %.3f, \"p99_ms\": %.3f, "
+      "\"mean_batch_requests\": %.2f, \"p50_queue_ms\": %.3f, \"p50_compute_ms\": %.3f, "
+      "\"p50_kernel_ms\": %.4f, \"p50_overhead_ms\": %.3f, \"p50_outside_ms\": %.3f, "
+      "\"client_cpu_s\": %.3f, \"first_errors\": {%s}}",
+      mode, rpc, streams, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms,
+      p90_ms, p99_ms, mean_batch_requests, p50_queue_ms, p50_compute_ms, p50_kernel_ms,
+      p50_overhead_ms, p50_outside_ms, client_cpu_s, messages);
 }
 
 std::string LoadResult::ToText() const {
   int64_t failed = 0;
   for (const auto& [code, n] : errors) failed += n;
   return absl::StrFormat(
-      "%-6s %8g  %8.1f req/s %10.0f tok/s %9.4f TFLOP/s  p50 %7.2f ms  p90 %7.2f ms  p99 %7.2f "
-      "ms  batch %5.2f  compute p50 %7.3f ms  overhead p50 %7.3f ms  ok %d  errors %d",
-      mode, level, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
-      mean_batch_requests, p50_compute_ms, p50_overhead_ms, ok, failed);
+      "%-6s %-6s %8g  %8.1f req/s %10.0f tok/s %9.4f TFLOP/s  p50 %7.2f ms  p90 %7.2f ms  p99 "
+      "%7.2f ms  batch %5.2f  compute p50 %7.3f ms  kernel p50 %7.3f ms  overhead p50 %7.3f ms  "
+      "ok %d  errors %d",
+      mode, rpc, level, requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms,
+      mean_batch_requests, p50_compute_ms, p50_kernel_ms, p50_overhead_ms, ok, failed);
 }
 
 }  // namespace attnserve::client

@@ -4,6 +4,10 @@
 // the generator measures the server, not its own random number generation; the closed loop
 // also serializes each pooled request once and sends the same bytes every time (the call only
 // takes references to them), so its per-request cost is the RPC, not building the payload.
+//
+// The closed loop runs over either RPC: unary Attend (one blocking call per client thread) or
+// AttendStream (the concurrency split over a few bidirectional streams, each keeping its share
+// of requests in flight and matching responses by request_id).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -16,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "clients/cli/channel_factory.h"
@@ -24,20 +30,28 @@ namespace attnserve::client {
 
 struct LoadResult {
   std::string mode;  // "closed" or "open"
+  std::string rpc;   // "unary" or "stream"
+  int streams = 0;   // AttendStream calls the load ran over (stream only)
   double level = 0;  // concurrency (closed) or offered requests/s (open)
   double seconds = 0;
   int64_t ok = 0;
-  std::map<std::string, int64_t> errors;  // by gRPC code name
+  std::map<std::string, int64_t> errors;            // by gRPC code name
+  std::map<std::string, std::string> first_errors;  // the first message seen for each code
   double requests_per_s = 0;
   double tokens_per_s = 0;  // query + key tokens
   double tflops = 0;        // forward FLOPs of the visible pairs
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double mean_batch_requests = 0;  // as the server reported per response
-  // Medians of the response's timing fields and of what the server does not account as
-  // compute: overhead = end-to-end - compute_us (queueing, batching delay, decode, gRPC,
-  // serialization, transport); outside = end-to-end - total_us (what happens outside the
-  // server's accepted -> response-ready window: transport, (de)serialization, the client).
-  double p50_queue_ms = 0, p50_compute_ms = 0, p50_overhead_ms = 0, p50_outside_ms = 0;
+  // Medians of the response's timing fields and of what is not the kernel:
+  // overhead = end-to-end - kernel_us (everything a request meets besides the engine call:
+  // gRPC, (de)serialization, transport, queueing, staging and PCIe copies);
+  // outside = end-to-end - total_us (what happens outside the server's accepted ->
+  // response-ready window: transport, (de)serialization, the client).
+  double p50_queue_ms = 0, p50_compute_ms = 0, p50_kernel_ms = 0, p50_overhead_ms = 0,
+         p50_outside_ms = 0;
+  // CPU time (user + system) this client process spent during the level: the load
+  // generator's own share of a host it shares with the server.
+  double client_cpu_s = 0;
 
   std::string ToJson() const;
   std::string ToText() const;
@@ -51,6 +65,8 @@ class LoadGenerator {
                 std::vector<v1::AttendRequest> pool, absl::Duration timeout);
 
   LoadResult RunClosedLoop(int concurrency, absl::Duration duration);
+  // `concurrency` requests in flight over min(streams, concurrency) AttendStream calls.
+  LoadResult RunClosedLoopStream(int concurrency, int streams, absl::Duration duration);
   LoadResult RunOpenLoop(double requests_per_s, absl::Duration duration);
 
  private:
@@ -58,20 +74,37 @@ class LoadGenerator {
     absl::Duration latency;
     size_t request;
     int batch_requests;
-    int64_t queue_us, compute_us, total_us;  // the response's timing
+    int64_t queue_us, compute_us, total_us, kernel_us;  // the response's timing
   };
+  struct Tally {  // what the client threads of one level collect
+    absl::Mutex mu;
+    std::vector<Sample> samples ABSL_GUARDED_BY(mu);
+    std::map<std::string, int64_t> errors ABSL_GUARDED_BY(mu);
+    std::map<std::string, std::string> first_errors ABSL_GUARDED_BY(mu);
+    void Error(const std::string& code, const std::string& message, int64_t count = 1)
+        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      errors[code] += count;
+      first_errors.emplace(code, message);
+    }
+    double cpu_at_start = 0;  // process CPU seconds when the level started
+  };
+  // One AttendStream call keeping `depth` requests in flight until `stop`.
+  void RunStream(int stream, int depth, absl::Time stop, Tally* tally);
   static Sample MakeSample(absl::Duration latency, size_t request,
                            const v1::AttendResponse& response);
-  LoadResult Summarize(const std::string& mode, double level, absl::Duration elapsed,
-                       std::vector<Sample> samples,
-                       const std::map<std::string, int64_t>& errors) const;
+  LoadResult Summarize(const std::string& mode, const std::string& rpc, double level,
+                       absl::Duration elapsed, Tally& tally) const;
 
   const ChannelFactory* factory_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs_;
   std::vector<std::unique_ptr<grpc::internal::RpcMethod>> attend_methods_;  // one per channel
+  std::vector<std::unique_ptr<grpc::internal::RpcMethod>> stream_methods_;  // one per channel
   std::vector<v1::AttendRequest> pool_;
   std::vector<grpc::ByteBuffer> payloads_;  // pool_, serialized once
+  // pool_ without request_id, serialized once; a stream sends a short message carrying only the
+  // request_id followed by these bytes, which protobuf parses as the two merged.
+  std::vector<std::vector<grpc::Slice>> bodies_;
   std::vector<double> flops_;
   std::vector<int64_t> tokens_;
   absl::Duration timeout_;

@@ -79,7 +79,8 @@ HeadForward ForwardHead(const AttentionProblem& p, int b, const std::vector<doub
 
 class CpuReferenceEngine final : public Engine {
  public:
-  explicit CpuReferenceEngine(const EngineOptions& options) : pool_(options.num_threads) {}
+  explicit CpuReferenceEngine(const EngineOptions& options)
+      : pool_(options.num_threads, "attn-cpu-ref") {}
 
   EngineKind kind() const override { return EngineKind::kCpuReference; }
   MemorySpace memory_space() const override { return MemorySpace::kHost; }

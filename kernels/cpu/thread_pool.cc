@@ -1,14 +1,21 @@
 #include "cpu/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <string>
 
 namespace attn::cpu {
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, std::string_view name) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
   num_threads = std::max(num_threads, 1);
   threads_.reserve(num_threads - 1);
-  for (int w = 1; w < num_threads; ++w) threads_.emplace_back([this, w] { WorkerLoop(w); });
+  for (int w = 1; w < num_threads; ++w) {
+    threads_.emplace_back([this, w] { WorkerLoop(w); });
+    const std::string thread_name = (std::string(name) + "-" + std::to_string(w)).substr(0, 15);
+    pthread_setname_np(threads_.back().native_handle(), thread_name.c_str());
+  }
 }
 
 ThreadPool::~ThreadPool() {

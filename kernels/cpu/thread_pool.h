@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -16,7 +17,9 @@ namespace attn::cpu {
 class ThreadPool {
  public:
   // num_threads counts the calling thread; 0 means std::thread::hardware_concurrency().
-  explicit ThreadPool(int num_threads);
+  // Helper threads are named `name`-1, `name`-2, ... (cut to Linux's 15 characters) so that
+  // profilers and /proc tell the pools apart.
+  explicit ThreadPool(int num_threads, std::string_view name = "attn-pool");
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;

@@ -28,7 +28,7 @@ namespace {
 
 class CpuTiledEngine final : public Engine {
  public:
-  explicit CpuTiledEngine(const EngineOptions& options) : pool_(options.num_threads) {}
+  explicit CpuTiledEngine(const EngineOptions& options) : pool_(options.num_threads, "attn-cpu") {}
 
   EngineKind kind() const override { return EngineKind::kCpuTiled; }
   MemorySpace memory_space() const override { return MemorySpace::kHost; }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -33,6 +34,22 @@ namespace {
 using client::ChannelFactory;
 using client::ChannelOptions;
 using client::ShapeSpec;
+
+// Runs a shell command and returns its standard output; fails the test on a non-zero exit.
+std::string RunAndCapture(const std::string& command) {
+  std::string out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) {
+    ADD_FAILURE() << "popen failed: " << command;
+    return out;
+  }
+  char buffer[4096];
+  size_t n = 0;
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
+  const int status = pclose(pipe);
+  EXPECT_EQ(status, 0) << command << "\n" << out;
+  return out;
+}
 using test_support::ServerProcess;
 
 // Servers in these tests use one CPU thread: the build machine has two cores for everything.
@@ -94,8 +111,9 @@ ShapeSpec Shape(attn::DType dtype, int batch, int64_t lq, int64_t lk, int h, int
 }
 
 TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) {
-  // A long queue delay makes batches form even on a busy two-core machine.
-  Connection c = Connect({"--max_queue_delay=30ms", "--max_batch_requests=16"});
+  // A long queue delay makes batches form even on a busy two-core machine; three threads per
+  // lane stage requests and copy responses out in parallel.
+  Connection c = Connect({"--max_queue_delay=30ms", "--max_batch_requests=16", "--lane_threads=3"});
   // Threads in the same group are batch-compatible with each other but differ in lengths.
   const std::vector<ShapeSpec> shapes = {
       Shape(attn::DType::kF32, 1, 17, 33, 4, 4, 32, false, false, true),
@@ -108,7 +126,7 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
       Shape(attn::DType::kF16, 2, 3, 8, 2, 1, 128, false, true, false),
   };
   constexpr int kRequestsPerThread = 6;
-  std::atomic<int> ok{0}, mismatches{0}, rpc_errors{0}, max_batch{0};
+  std::atomic<int> ok{0}, mismatches{0}, rpc_errors{0}, max_batch{0}, timed{0};
   std::vector<std::thread> threads;
   absl::Mutex mu;
   std::vector<std::string> failures;
@@ -133,6 +151,10 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
           continue;
         }
         ++ok;
+        const v1::Timing& timing = response.timing();
+        if (timing.kernel_us() > 0) ++timed;
+        EXPECT_LE(timing.kernel_us(), timing.compute_us()) << id;
+        EXPECT_LE(timing.queue_us() + timing.compute_us(), timing.total_us()) << id;
         int seen = max_batch.load();
         while (response.batch().requests() > seen &&
                !max_batch.compare_exchange_weak(seen, response.batch().requests())) {
@@ -144,6 +166,7 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
   for (const auto& f : failures) ADD_FAILURE() << f;
   EXPECT_EQ(ok.load(), static_cast<int>(shapes.size()) * kRequestsPerThread);
   EXPECT_GT(max_batch.load(), 1) << "no request ever shared a batch";
+  EXPECT_GT(timed.load(), 0) << "no response carried the engine call's time (kernel_us)";
   const v1::ServerInfo info = c.Info();
   EXPECT_GT(info.stats().batched_requests(), 0u);
   EXPECT_LT(info.stats().batches(), info.stats().requests_completed());
@@ -485,6 +508,17 @@ TEST(ServerIntegration, CommandLineClientChecksAgainstTheReference) {
                                 "--seqlen_q=16 --seqlen_k=16 --heads=2 --json >/dev/null")
                             .c_str()),
             0);
+  // The pipelined AttendStream load: every response matched to its request, none failed.
+  const std::string stream_json = RunAndCapture(
+      base +
+      " bench --rpc=stream --streams=3 --concurrency=8 --duration=500ms --seqlen_q=16 "
+      "--seqlen_k=16 --heads=2 --json");
+  EXPECT_NE(stream_json.find("\"rpc\": \"stream\", \"streams\": 3"), std::string::npos)
+      << stream_json;
+  EXPECT_NE(stream_json.find("\"errors\": {}"), std::string::npos) << stream_json;
+  const size_t ok_at = stream_json.find("\"ok\": ");
+  ASSERT_NE(ok_at, std::string::npos) << stream_json;
+  EXPECT_GT(std::atoi(stream_json.c_str() + ok_at + 6), 8) << stream_json;
 }
 
 }  // namespace
