@@ -17,6 +17,10 @@ namespace {
 
 constexpr int64_t kAlign = 256;
 constexpr absl::Duration kMemorySampleInterval = absl::Milliseconds(100);
+// Below this many bytes a batch's copies run on the lane thread alone: waking helpers costs more
+// than copying a few hundred KiB. Above it, copies are split into chunks over the lane's threads.
+constexpr int64_t kParallelCopyBytes = int64_t{4} << 20;
+constexpr int64_t kCopyChunkBytes = int64_t{1} << 20;
 
 int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -192,17 +196,39 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch) 
   const absl::Status status = Execute(lane, helpers, live, &launched);
   const absl::Time end = absl::Now();
   metrics_->OnBatch(static_cast<int>(live.size()));
-  // Each response is copied out and its RPC finished on the lane's threads; the staging region
-  // is reused by the next batch only after every copy here has been made.
-  helpers.ParallelFor(static_cast<int64_t>(live.size()), [&](int, int64_t i) {
-    WorkItem& item = *live[i];
-    if (status.ok()) FillResponse(launched, item, q_first[i]);
-    metrics_->OnFinished(item.method, status, now - item.accepted, end - item.accepted);
-    item.done(status);
+  if (status.ok()) {
+    // Every O leaves the staging region before the next batch reuses it.
+    std::vector<CopyTask> copies;
+    for (size_t i = 0; i < live.size(); ++i) FillResponse(launched, *live[i], q_first[i], &copies);
+    RunCopies(helpers, copies);
+  }
+  for (auto& item : live) {
+    metrics_->OnFinished(item->method, status, now - item->accepted, end - item->accepted);
+    item->done(status);
+  }
+}
+
+void Batcher::RunCopies(attn::cpu::ThreadPool& helpers, const std::vector<CopyTask>& copies) {
+  int64_t total = 0;
+  for (const CopyTask& c : copies) total += c.bytes;
+  if (total < kParallelCopyBytes || helpers.num_workers() == 1) {
+    for (const CopyTask& c : copies) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    return;
+  }
+  // Large batches (or large requests): chunks small enough to balance over the lane's threads.
+  std::vector<CopyTask> chunks;
+  for (const CopyTask& c : copies) {
+    for (int64_t at = 0; at < c.bytes; at += kCopyChunkBytes) {
+      chunks.push_back({c.dst + at, c.src + at, std::min(kCopyChunkBytes, c.bytes - at)});
+    }
+  }
+  helpers.ParallelFor(static_cast<int64_t>(chunks.size()), [&](int, int64_t i) {
+    std::memcpy(chunks[i].dst, chunks[i].src, static_cast<size_t>(chunks[i].bytes));
   });
 }
 
-void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first) {
+void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first,
+                           std::vector<CopyTask>* copies) {
   const attn::AttentionProblem& p = launched.problem;
   const DecodedRequest& r = item.request;
   const int64_t nq = r.problem.total_q();
@@ -211,9 +237,11 @@ void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64
   v1::Tensor& o = *out.mutable_o();
   o.set_dtype(ToProtoDType(p.dtype));
   for (int64_t d : r.o_shape) o.add_shape(d);
-  if (launched.o != nullptr) {
-    o.mutable_data()->assign(reinterpret_cast<const char*>(launched.o + q_first * launched.q_row),
-                             static_cast<size_t>(nq * launched.q_row));
+  if (launched.o != nullptr && nq > 0) {
+    std::string* data = o.mutable_data();
+    data->resize(static_cast<size_t>(nq * launched.q_row));
+    copies->push_back({reinterpret_cast<std::byte*>(data->data()),
+                       launched.o + q_first * launched.q_row, nq * launched.q_row});
   }
   if (r.return_lse) {
     v1::Tensor& l = *out.mutable_lse();
@@ -300,20 +328,20 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
     in_place_o = batch.front()->response->mutable_o()->mutable_data();
     in_place_o->resize(static_cast<size_t>(total_q * q_row));
   } else {
-    // Each request's Q, K and V go to their rows of the packed tensors, on the lane's threads.
-    std::vector<int64_t> q_at(batch.size(), q_off), k_at(batch.size(), 0);
-    for (size_t i = 1; i < batch.size(); ++i) {
-      const attn::AttentionProblem& prev = batch[i - 1]->request.problem;
-      q_at[i] = q_at[i - 1] + prev.total_q() * q_row;
-      k_at[i] = k_at[i - 1] + prev.total_k() * kv_row;
-    }
-    helpers.ParallelFor(static_cast<int64_t>(batch.size()), [&](int, int64_t i) {
-      const DecodedRequest& r = batch[i]->request;
+    // Each request's Q, K and V go to their rows of the packed tensors.
+    std::vector<CopyTask> copies;
+    int64_t q_at = q_off, k_at = k_off, v_at = v_off;
+    for (const auto& item : batch) {
+      const DecodedRequest& r = item->request;
       const int64_t qb = r.problem.total_q() * q_row, kb = r.problem.total_k() * kv_row;
-      if (qb > 0) std::memcpy(host + q_at[i], r.q, qb);
-      if (kb > 0) std::memcpy(host + k_off + k_at[i], r.k, kb);
-      if (kb > 0) std::memcpy(host + v_off + k_at[i], r.v, kb);
-    });
+      if (qb > 0) copies.push_back({host + q_at, reinterpret_cast<const std::byte*>(r.q), qb});
+      if (kb > 0) copies.push_back({host + k_at, reinterpret_cast<const std::byte*>(r.k), kb});
+      if (kb > 0) copies.push_back({host + v_at, reinterpret_cast<const std::byte*>(r.v), kb});
+      q_at += qb;
+      k_at += kb;
+      v_at += kb;
+    }
+    RunCopies(helpers, copies);
   }
   ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_off));
 

@@ -35,8 +35,9 @@ ABSL_FLAG(int, lanes_per_device, 0,
           "Batch lanes (threads, each with its own engines, stream and pool) per device; "
           "0 = 2 on a GPU, 1 on the CPU");
 ABSL_FLAG(int, lane_threads, 0,
-          "Threads per lane, its own included, that stage a batch's requests, copy its "
-          "responses out and finish their RPCs; 0 = cores / (2 x lanes), at most 4");
+          "Threads per lane, its own included, that share a batch's host copies (requests into "
+          "the staging region, outputs into the responses) once they pass 4 MiB; "
+          "0 = cores / (2 x lanes), between 1 and 4");
 ABSL_FLAG(int, cpu_threads, 0, "CPU engine threads; 0 = all cores");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384,
           "A batch closes when its query + key tokens reach this");

@@ -11,7 +11,9 @@
 #   large      large set, unary + stream, concurrency 1,8
 #   tiny       1-token requests: the RPC path's floor
 #   lane1      small at 1,64 with --lane_threads=1 (one thread per lane, as before 2026-11-30)
+#   large1     the large set with --lane_threads=1
 #   wide       small, stream, concurrency 64 over 32 streams on 16 connections
+#   lanes4     small at 64 with --lanes_per_device=4
 #   window     small at 1,64 with 16 MiB HTTP/2 stream windows and BDP probing off, both sides
 #   tuned      `window` plus 1 MiB HTTP/2 frames and 256 KiB-1 MiB TCP reads, both sides
 #   tunedlarge the large set with the `tuned` arguments
@@ -49,7 +51,9 @@ for run in "${run_list[@]}"; do
     large) bench large SETS=large LARGE_LEVELS=1,8 ;;
     tiny) bench tiny SETS=tiny ;;
     lane1) bench lane1 SETS=small SMALL_LEVELS=1,64 SERVER_ARGS=--lane_threads=1 ;;
+    large1) bench large1 SETS=large LARGE_LEVELS=1,8 SERVER_ARGS=--lane_threads=1 ;;
     wide) bench wide SETS=small SMALL_LEVELS=64 RPCS=stream STREAMS=32 CHANNELS=16 ;;
+    lanes4) bench lanes4 SETS=small SMALL_LEVELS=64 SERVER_ARGS=--lanes_per_device=4 ;;
     window) bench window SETS=small SMALL_LEVELS=1,64 SERVER_ARGS="--grpc_arg=$window" \
               CLIENT_ARGS="--grpc_arg=$window" ;;
     tuned) bench tuned SETS=small SMALL_LEVELS=1,64 SERVER_ARGS="--grpc_arg=$tuned" \

@@ -111,9 +111,9 @@ ShapeSpec Shape(attn::DType dtype, int batch, int64_t lq, int64_t lk, int h, int
 }
 
 TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) {
-  // A long queue delay makes batches form even on a busy two-core machine; three threads per
-  // lane stage requests and copy responses out in parallel.
-  Connection c = Connect({"--max_queue_delay=30ms", "--max_batch_requests=16", "--lane_threads=3"});
+  // A long queue delay makes batches form even on a busy two-core machine. (Parallel copies
+  // start at 4 MiB per batch; LargeBatchCopiesSplitOverLaneThreads covers them.)
+  Connection c = Connect({"--max_queue_delay=30ms", "--max_batch_requests=16"});
   // Threads in the same group are batch-compatible with each other but differ in lengths.
   const std::vector<ShapeSpec> shapes = {
       Shape(attn::DType::kF32, 1, 17, 33, 4, 4, 32, false, false, true),
@@ -170,6 +170,34 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
   const v1::ServerInfo info = c.Info();
   EXPECT_GT(info.stats().batched_requests(), 0u);
   EXPECT_LT(info.stats().batches(), info.stats().requests_completed());
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+TEST(ServerIntegration, LargeBatchCopiesSplitOverLaneThreads) {
+  // Three requests of 2 MiB of Q each, held into one batch: 7.5 MiB staged and 6 MiB of O
+  // copied out, both past the 4 MiB at which the copies are chunked over the lane's threads.
+  Connection c = Connect({"--max_queue_delay=500ms", "--max_batch_requests=3", "--lane_threads=3"});
+  constexpr int kRequests = 3;
+  std::atomic<int> ok{0}, shared{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kRequests; ++t) {
+    threads.emplace_back([&, t] {
+      const ShapeSpec shape =
+          Shape(attn::DType::kF32, 1, 1024 - 64 * t, 128, 8, 8, 64, t == 1, false, t == 2);
+      const v1::AttendRequest request =
+          client::MakeRandomRequest(shape, 500 + t, absl::StrCat("big-", t));
+      v1::AttendResponse response;
+      const grpc::Status status = c.Attend(request, &response);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      auto check = client::CheckAgainstReference(request, response);
+      EXPECT_TRUE(check.ok()) << "big-" << t << ": " << check.status();
+      if (check.ok()) ++ok;
+      if (response.batch().requests() > 1) ++shared;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(ok.load(), kRequests);
+  EXPECT_GT(shared.load(), 0) << "the requests never shared a batch";
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
