@@ -7,10 +7,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__GLIBC__)  // known once a C++ library header is in
-#include <malloc.h>
-#endif
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -22,6 +18,7 @@
 #include "absl/time/time.h"
 #include "server/config.h"
 #include "server/logging.h"
+#include "server/malloc_tuning.h"
 #include "server/server.h"
 #include "server/termination_signal.h"
 
@@ -112,23 +109,10 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   return c;
 }
 
-// Every request allocates and frees the same few hundred KiB (gRPC read slices, the message's
-// tensor strings, the response). glibc's defaults hand such blocks back to the kernel (mmap
-// above 128 KiB, trimming the heap top and the threads' arenas), so the next request faults
-// them in again: 35 page faults and ~150 us of server CPU per small request on the build
-// machine (docs/server-performance.md). Keep them in the heap instead; blocks of 32 MiB and
-// more (large requests) are still mapped and unmapped.
-void KeepFreedMemoryInTheHeap() {
-#if defined(__GLIBC__)
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 128 << 20);
-#endif
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  KeepFreedMemoryInTheHeap();
+  attnserve::KeepFreedMemoryInTheHeap();
 #if defined(NDEBUG)
   // The detector (on when Abseil itself was built without NDEBUG, as Debian's is) takes a
   // global lock on every Mutex acquisition; the tests and sanitizer builds keep it.

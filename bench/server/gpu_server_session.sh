@@ -16,6 +16,8 @@
 #   lanes4     small at 64 with --lanes_per_device=4
 #   window     small at 1,64 with 16 MiB HTTP/2 stream windows and BDP probing off, both sides
 #   tuned      `window` plus 1 MiB HTTP/2 frames and 256 KiB-1 MiB TCP reads, both sides
+#   nommap     the large set with glibc's mmap for big allocations off (GLIBC_TUNABLES), both
+#              sides: 32 MiB+ tensors then reuse heap pages instead of faulting in fresh ones
 #   tunedlarge the large set with the `tuned` arguments
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -58,6 +60,7 @@ for run in "${run_list[@]}"; do
               CLIENT_ARGS="--grpc_arg=$window" ;;
     tuned) bench tuned SETS=small SMALL_LEVELS=1,64 SERVER_ARGS="--grpc_arg=$tuned" \
              CLIENT_ARGS="--grpc_arg=$tuned" ;;
+    nommap) bench nommap SETS=large LARGE_LEVELS=1,8 GLIBC_TUNABLES=glibc.malloc.mmap_max=0 ;;
     tunedlarge) bench tunedlarge SETS=large LARGE_LEVELS=1,8 SERVER_ARGS="--grpc_arg=$tuned" \
                   CLIENT_ARGS="--grpc_arg=$tuned" ;;
     *) echo "unknown run $run" ;;

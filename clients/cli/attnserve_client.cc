@@ -32,6 +32,7 @@
 #include "clients/cli/reference_check.h"
 #include "clients/cli/request_factory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "server/malloc_tuning.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(std::string, tls_ca_file, "", "Use TLS, trusting this PEM CA certificate");
@@ -357,6 +358,7 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
 }  // namespace
 
 int main(int argc, char** argv) {
+  attnserve::KeepFreedMemoryInTheHeap();  // responses of tens of MiB, one after another
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::EndsWith(path, "attnserve_client.cc");
