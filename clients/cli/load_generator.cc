@@ -184,7 +184,9 @@ void LoadGenerator::RunStream(int stream, int depth, absl::Time stop, Tally* tal
 
   // Slot i is one request in flight at a time, tagged request_id = i.
   struct Slot {
-    grpc::Slice id;  // the serialized message holding only request_id
+    grpc::Slice id;  // the serialized message holding only request_id; fixed
+    // Guarded by mu below: set by the writer, cleared by the reader when the answer comes.
+    bool busy = false;
     absl::Time sent;
     size_t request = 0;
   };
@@ -211,42 +213,55 @@ void LoadGenerator::RunStream(int stream, int depth, absl::Time stop, Tally* tal
                      absl::StrCat("request_id '", response.request_id(), "'"));
         continue;
       }
-      const Slot& s = slots[slot];
+      absl::Time sent;
+      size_t request = 0;
+      bool matched = false;
       {
-        absl::MutexLock lock(&tally->mu);
-        if (response.has_error()) {
-          tally->Error(StatusCodeName(static_cast<grpc::StatusCode>(response.error().code())),
-                       response.error().message());
-        } else {
-          tally->samples.push_back(MakeSample(now - s.sent, s.request, response));
+        absl::MutexLock lock(&mu);
+        Slot& s = slots[slot];
+        if (s.busy) {  // a second answer to one request would be the server's bug
+          matched = true;
+          sent = s.sent;
+          request = s.request;
+          s.busy = false;
+          --in_flight;
+          free_slots.push_back(slot);
         }
       }
-      absl::MutexLock lock(&mu);
-      --in_flight;
-      free_slots.push_back(slot);
+      absl::MutexLock lock(&tally->mu);
+      if (!matched) {
+        tally->Error("UNMATCHED_RESPONSE",
+                     absl::StrCat("request_id '", response.request_id(), "' not in flight"));
+      } else if (response.has_error()) {
+        tally->Error(StatusCodeName(static_cast<grpc::StatusCode>(response.error().code())),
+                     response.error().message());
+      } else {
+        tally->samples.push_back(MakeSample(now - sent, request, response));
+      }
     }
   });
 
   size_t next = static_cast<size_t>(stream) % pool_.size();
   while (true) {
-    int slot = -1;
+    grpc::Slice id;
     {
       absl::MutexLock lock(&mu);
       auto has_free = [&free_slots]() { return !free_slots.empty(); };
       mu.AwaitWithDeadline(absl::Condition(&has_free), stop);
       if (free_slots.empty() || absl::Now() >= stop) break;
-      slot = free_slots.back();
+      Slot& s = slots[free_slots.back()];
       free_slots.pop_back();
       ++in_flight;
+      s.busy = true;
+      s.request = next;
+      s.sent = absl::Now();
+      id = s.id;
     }
-    Slot& s = slots[slot];
     std::vector<grpc::Slice> message;
     message.reserve(1 + bodies_[next].size());
-    message.push_back(s.id);
+    message.push_back(id);
     message.insert(message.end(), bodies_[next].begin(), bodies_[next].end());
     const grpc::ByteBuffer bytes(message.data(), message.size());
-    s.request = next;
-    s.sent = absl::Now();
     if (!call->Write(bytes)) break;  // the stream failed; Finish says why
     next = (next + 1) % pool_.size();
   }
