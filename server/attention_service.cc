@@ -66,6 +66,34 @@ class AttendReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
+// One AttendBackward call, the same way.
+class AttendBackwardReactor final : public grpc::ServerUnaryReactor {
+ public:
+  AttendBackwardReactor(AttentionService* service, grpc::CallbackServerContext* context,
+                        const v1::AttendBackwardRequest* request,
+                        v1::AttendBackwardResponse* response)
+      : cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    response->set_request_id(request->forward().request_id());
+    absl::Status status = service->CheckCall(*context);
+    if (status.ok()) {
+      status = service->AdmitBackward(*request, response, DeadlineOf(*context), cancelled_,
+                                      [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
+    }
+    if (!status.ok()) {
+      service->metrics()->OnRejected(Metrics::Method::kAttendBackward, status);
+      ATTN_LOG(kDebug) << "AttendBackward " << request->forward().request_id()
+                       << " rejected: " << status;
+      Finish(ToGrpcStatus(status));
+    }
+  }
+
+  void OnCancel() override { cancelled_->store(true); }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+
 // One AttendStream call. Each request read is admitted like a unary call; responses are written
 // one at a time in completion order, tagged by request_id. A failed request becomes a response
 // carrying `error`, and the stream goes on. The stream finishes when the client has half-closed
@@ -251,7 +279,8 @@ absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
   absl::MutexLock lock(&probes_mu_);
   for (size_t i = 0; i < probes_.size(); ++i) {
     if (!PathRuns(request.path, kinds_[i])) continue;
-    absl::Status s = probes_[i]->SupportsForward(request.problem);
+    absl::Status s = request.backward ? probes_[i]->SupportsBackward(request.problem)
+                                      : probes_[i]->SupportsForward(request.problem);
     if (s.ok()) {
       return EngineChoice{static_cast<int>(i),
                           automatic ? reason : Metrics::PathReason::kRequested};
@@ -273,15 +302,37 @@ absl::Status AttentionService::Admit(Metrics::Method method, const v1::AttendReq
                                      std::function<void(const absl::Status&)> done) {
   absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(request, options_.limits);
   if (!decoded.ok()) return decoded.status();
-  absl::StatusOr<EngineChoice> engine = ChooseEngine(*decoded);
+  return Submit(method, *std::move(decoded), response, nullptr, deadline, std::move(cancelled),
+                std::move(done));
+}
+
+absl::Status AttentionService::AdmitBackward(const v1::AttendBackwardRequest& request,
+                                             v1::AttendBackwardResponse* response,
+                                             absl::Time deadline,
+                                             std::shared_ptr<const std::atomic<bool>> cancelled,
+                                             std::function<void(const absl::Status&)> done) {
+  absl::StatusOr<DecodedRequest> decoded = DecodeAttendBackwardRequest(request, options_.limits);
+  if (!decoded.ok()) return decoded.status();
+  return Submit(Metrics::Method::kAttendBackward, *std::move(decoded), nullptr, response, deadline,
+                std::move(cancelled), std::move(done));
+}
+
+absl::Status AttentionService::Submit(Metrics::Method method, DecodedRequest request,
+                                      v1::AttendResponse* response,
+                                      v1::AttendBackwardResponse* backward_response,
+                                      absl::Time deadline,
+                                      std::shared_ptr<const std::atomic<bool>> cancelled,
+                                      std::function<void(const absl::Status&)> done) {
+  absl::StatusOr<EngineChoice> engine = ChooseEngine(request);
   if (!engine.ok()) return engine.status();
 
   auto item = std::make_unique<WorkItem>();
-  item->request = *std::move(decoded);
+  item->request = std::move(request);
   item->engine = engine->index;
   item->method = method;
   item->path_reason = engine->reason;
   item->response = response;
+  item->backward_response = backward_response;
   item->accepted = absl::Now();
   item->deadline = deadline;
   item->cancelled = std::move(cancelled);
@@ -300,6 +351,12 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
     grpc::CallbackServerContext* context) {
   return new AttendStreamReactor(this, context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::AttendBackward(grpc::CallbackServerContext* context,
+                                                           const v1::AttendBackwardRequest* request,
+                                                           v1::AttendBackwardResponse* response) {
+  return new AttendBackwardReactor(this, context, request, response);
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

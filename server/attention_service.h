@@ -38,6 +38,9 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                    v1::AttendResponse* response) override;
   grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
       grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* AttendBackward(grpc::CallbackServerContext* context,
+                                           const v1::AttendBackwardRequest* request,
+                                           v1::AttendBackwardResponse* response) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::ServerInfo* response) override;
@@ -53,6 +56,11 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                      v1::AttendResponse* response, absl::Time deadline,
                      std::shared_ptr<const std::atomic<bool>> cancelled,
                      std::function<void(const absl::Status&)> done);
+  // The same for AttendBackward.
+  absl::Status AdmitBackward(const v1::AttendBackwardRequest& request,
+                             v1::AttendBackwardResponse* response, absl::Time deadline,
+                             std::shared_ptr<const std::atomic<bool>> cancelled,
+                             std::function<void(const absl::Status&)> done);
   Metrics* metrics() { return metrics_; }
 
  private:
@@ -61,6 +69,10 @@ class AttentionService final : public v1::AttentionService::CallbackService {
     Metrics::PathReason reason = Metrics::PathReason::kAuto;
   };
   absl::StatusOr<EngineChoice> ChooseEngine(const DecodedRequest& request);
+  absl::Status Submit(Metrics::Method method, DecodedRequest request, v1::AttendResponse* response,
+                      v1::AttendBackwardResponse* backward_response, absl::Time deadline,
+                      std::shared_ptr<const std::atomic<bool>> cancelled,
+                      std::function<void(const absl::Status&)> done);
 
   const Options options_;
   Batcher* const batcher_;

@@ -25,6 +25,7 @@ constexpr int64_t kCopyChunkBytes = int64_t{1} << 20;
 int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 bool Compatible(const WorkItem& a, const WorkItem& b) {
+  if (a.request.backward || b.request.backward) return &a == &b;  // backward runs alone
   const attn::AttentionProblem& p = a.request.problem;
   const attn::AttentionProblem& q = b.request.problem;
   return a.engine == b.engine && p.dtype == q.dtype && p.num_heads == q.num_heads &&
@@ -182,6 +183,16 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch) 
     }
   }
   if (live.empty()) return;
+
+  if (live.front()->request.backward) {  // TakeBatch never packs a backward request
+    WorkItem& item = *live.front();
+    metrics_->OnPath(lane.engines[item.engine]->kind(), item.path_reason);
+    const absl::Status status = ExecuteBackward(lane, helpers, item, now);
+    metrics_->OnBatch(1);
+    metrics_->OnFinished(item.method, status, now - item.accepted, absl::Now() - item.accepted);
+    item.done(status);
+    return;
+  }
 
   Launched launched;
   launched.started = now;
@@ -395,6 +406,122 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   launched->lse = want_lse ? reinterpret_cast<const float*>(host + lse_off) : nullptr;
   launched->kind = engine.kind();
   launched->engine_name = std::string(engine.name());
+  return absl::OkStatus();
+}
+
+absl::Status Batcher::ExecuteBackward(Lane& lane, attn::cpu::ThreadPool& helpers, WorkItem& item,
+                                      absl::Time started) {
+  attn::Engine& engine = *lane.engines[item.engine];
+  const DecodedRequest& r = item.request;
+  const attn::AttentionProblem& p = r.problem;
+  const int64_t es = attn::DTypeSize(p.dtype);
+  const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * es;
+  const int64_t kv_bytes = p.total_k() * p.num_kv_heads * p.head_dim * es;
+  const int64_t lse_bytes = p.total_q() * p.num_heads * 4;
+  const bool have_forward = r.o != nullptr;
+
+  // Inputs first (copied to the device in one go), then the outputs (copied back in one go).
+  const int64_t q_off = 0, k_off = AlignUp(q_off + q_bytes), v_off = AlignUp(k_off + kv_bytes);
+  const int64_t do_off = AlignUp(v_off + kv_bytes), o_off = AlignUp(do_off + q_bytes);
+  const int64_t lse_off = AlignUp(o_off + q_bytes), dq_off = AlignUp(lse_off + lse_bytes);
+  const int64_t dk_off = AlignUp(dq_off + q_bytes), dv_off = AlignUp(dk_off + kv_bytes);
+  const int64_t end = dv_off + kv_bytes;
+
+  DevicePool* pool = engine.memory_space() == attn::MemorySpace::kDevice ? lane.device_pool.get()
+                                                                         : lane.host_pool.get();
+  if (pool == nullptr) return absl::InternalError("batcher: lane has no pool for the engine");
+  ATTN_RETURN_IF_ERROR(pool->Activate());
+  const int64_t reserved_before = pool->capacity();
+  ATTN_RETURN_IF_ERROR(pool->Reserve(end));
+  const std::string device_label = pool->label();
+  const bool device_pool = pool->space() == attn::MemorySpace::kDevice;
+  auto account = [&](void (Metrics::*hook)(std::string_view, Metrics::Memory, int64_t),
+                     int64_t delta) {
+    (metrics_->*hook)(device_label, Metrics::Memory::kHost, delta);
+    if (device_pool) (metrics_->*hook)(device_label, Metrics::Memory::kDevice, delta);
+  };
+  if (pool->capacity() != reserved_before) {
+    account(&Metrics::OnPoolReserved, pool->capacity() - reserved_before);
+  }
+  account(&Metrics::OnPoolInUse, end);
+  absl::Cleanup release_in_use = [&] { account(&Metrics::OnPoolInUse, -end); };
+
+  std::byte* host = pool->host();
+  auto bytes_of = [](const char* data) { return reinterpret_cast<const std::byte*>(data); };
+  std::vector<CopyTask> inputs = {{host + q_off, bytes_of(r.q), q_bytes},
+                                  {host + k_off, bytes_of(r.k), kv_bytes},
+                                  {host + v_off, bytes_of(r.v), kv_bytes},
+                                  {host + do_off, bytes_of(r.d_o), q_bytes}};
+  if (have_forward) {
+    inputs.push_back({host + o_off, bytes_of(r.o), q_bytes});
+    inputs.push_back({host + lse_off, bytes_of(r.lse), lse_bytes});
+  }
+  RunCopies(helpers, inputs);
+  ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, have_forward ? dq_off : o_off));
+
+  std::byte* dev = pool->device();
+  auto in = [&](int64_t off) { return reinterpret_cast<const void*>(dev + off); };
+  auto out = [&](int64_t off) { return reinterpret_cast<void*>(dev + off); };
+  float* lse = reinterpret_cast<float*>(dev + lse_off);
+  ATTN_RETURN_IF_ERROR(pool->StartComputeTimer());
+  if (!have_forward) {
+    attn::ForwardArgs f;
+    f.q = attn::Packed<const void*>(in(q_off), p.num_heads, p.head_dim);
+    f.k = attn::Packed<const void*>(in(k_off), p.num_kv_heads, p.head_dim);
+    f.v = attn::Packed<const void*>(in(v_off), p.num_kv_heads, p.head_dim);
+    f.o = attn::Packed<void*>(out(o_off), p.num_heads, p.head_dim);
+    f.lse = lse;
+    f.stream = pool->stream();
+    ATTN_RETURN_IF_ERROR(engine.Forward(p, f));
+  }
+  attn::BackwardArgs b;
+  b.q = attn::Packed<const void*>(in(q_off), p.num_heads, p.head_dim);
+  b.k = attn::Packed<const void*>(in(k_off), p.num_kv_heads, p.head_dim);
+  b.v = attn::Packed<const void*>(in(v_off), p.num_kv_heads, p.head_dim);
+  b.o = attn::Packed<const void*>(in(o_off), p.num_heads, p.head_dim);
+  b.d_o = attn::Packed<const void*>(in(do_off), p.num_heads, p.head_dim);
+  b.lse = lse;
+  b.dq = attn::Packed<void*>(out(dq_off), p.num_heads, p.head_dim);
+  b.dk = attn::Packed<void*>(out(dk_off), p.num_kv_heads, p.head_dim);
+  b.dv = attn::Packed<void*>(out(dv_off), p.num_kv_heads, p.head_dim);
+  b.stream = pool->stream();
+  ATTN_RETURN_IF_ERROR(engine.Backward(p, b));
+  ATTN_RETURN_IF_ERROR(pool->StopComputeTimer());
+  ATTN_RETURN_IF_ERROR(pool->CopyToHost(dq_off, end - dq_off));
+  ATTN_RETURN_IF_ERROR(pool->Synchronize());
+  const absl::Time computed = absl::Now();
+
+  Metrics::Launch launch;
+  launch.engine = engine.kind();
+  launch.requests = 1;
+  launch.query_tokens = p.total_q();
+  launch.key_tokens = p.total_k();
+  // Recomputing S and P, then dV, dP, dS -> dQ and dK: 2.5 forwards' worth of matmul FLOPs.
+  launch.flops = p.forward_flops() * (have_forward ? 2.5 : 3.5);
+  const absl::StatusOr<absl::Duration> compute = pool->ComputeTime();
+  launch.compute = compute.ok() ? *compute : computed - started;
+  metrics_->OnLaunch(launch);
+
+  v1::AttendBackwardResponse& response = *item.backward_response;
+  std::vector<CopyTask> outputs;
+  auto fill = [&](v1::Tensor* t, const std::vector<int64_t>& shape, int64_t off, int64_t bytes) {
+    t->set_dtype(ToProtoDType(p.dtype));
+    for (int64_t d : shape) t->add_shape(d);
+    std::string* data = t->mutable_data();
+    data->resize(static_cast<size_t>(bytes));
+    outputs.push_back({reinterpret_cast<std::byte*>(data->data()), host + off, bytes});
+  };
+  fill(response.mutable_d_q(), r.o_shape, dq_off, q_bytes);
+  fill(response.mutable_d_k(), r.k_shape, dk_off, kv_bytes);
+  fill(response.mutable_d_v(), r.k_shape, dv_off, kv_bytes);
+  RunCopies(helpers, outputs);
+  response.set_path(PathOf(engine.kind()));
+  response.set_engine(std::string(engine.name()));
+  v1::Timing& t = *response.mutable_timing();
+  t.set_queue_us(absl::ToInt64Microseconds(started - item.accepted));
+  t.set_compute_us(absl::ToInt64Microseconds(computed - started));
+  t.set_total_us(absl::ToInt64Microseconds(absl::Now() - item.accepted));
+  if (compute.ok()) t.set_kernel_us(absl::ToInt64Microseconds(*compute));
   return absl::OkStatus();
 }
 

@@ -44,7 +44,8 @@ namespace attnserve {
 struct WorkItem {
   DecodedRequest request;                  // aliases bytes the RPC keeps alive until `done` runs
   int engine = 0;                          // index into every lane's engines
-  v1::AttendResponse* response = nullptr;  // filled in before done(OK)
+  v1::AttendResponse* response = nullptr;  // filled in before done(OK); forward requests
+  v1::AttendBackwardResponse* backward_response = nullptr;  // the same, request.backward
   absl::Time accepted;
   absl::Time deadline = absl::InfiniteFuture();
   Metrics::Method method = Metrics::Method::kAttend;             // for the metrics' labels
@@ -103,6 +104,10 @@ class Batcher {
   void RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch);
   absl::Status Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const Batch& batch,
                        Launched* launched);
+  // One AttendBackward request (never packed with others): the forward first when the client
+  // sent no O and LSE, then the backward pass; fills the response.
+  absl::Status ExecuteBackward(Lane& lane, attn::cpu::ThreadPool& helpers, WorkItem& item,
+                               absl::Time started);
   // Fills the request's response; its O rows are left to copy from the staging region as a task.
   static void FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first,
                            std::vector<CopyTask>* copies);

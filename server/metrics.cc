@@ -78,7 +78,15 @@ const char* ReasonLabel(Metrics::PathReason reason) {
 }
 
 const char* MethodLabel(Metrics::Method method) {
-  return method == Metrics::Method::kAttend ? "Attend" : "AttendStream";
+  switch (method) {
+    case Metrics::Method::kAttend:
+      return "Attend";
+    case Metrics::Method::kAttendStream:
+      return "AttendStream";
+    case Metrics::Method::kAttendBackward:
+      return "AttendBackward";
+  }
+  return "Attend";
 }
 
 const char* MemoryLabel(Metrics::Memory memory) {

@@ -47,7 +47,7 @@ int64_t NaiveIoBytes(const attn::AttentionProblem& p, bool lse);
 
 class Metrics {
  public:
-  enum class Method : uint8_t { kAttend, kAttendStream };
+  enum class Method : uint8_t { kAttend, kAttendStream, kAttendBackward };
   // Why a request ran on the path it ran on (the `reason` label).
   enum class PathReason : uint8_t {
     kRequested,           // the request named the path

@@ -67,6 +67,15 @@ int64_t WorkingSetBytes(const attn::AttentionProblem& p) {
   return 2 * q + 2 * kv + lse;
 }
 
+int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p) {
+  const int64_t es = attn::DTypeSize(p.dtype);
+  const int64_t d = p.head_dim;
+  const int64_t q = p.total_q() * p.num_heads * d * es;
+  const int64_t kv = p.total_k() * p.num_kv_heads * d * es;
+  const int64_t lse = p.total_q() * p.num_heads * 4;
+  return 4 * q + 4 * kv + lse;
+}
+
 absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype) {
   switch (dtype) {
     case v1::DTYPE_FLOAT32:
@@ -208,6 +217,74 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   d.o_shape.assign(qs.begin(), qs.end());
   d.return_lse = r.return_lse();
   d.path = r.path();
+  return d;
+}
+
+absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackwardRequest& r,
+                                                           const DecodeLimits& limits) {
+  if (!r.has_forward()) return Invalid("forward", "missing (q, k, v and the mask)");
+  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(r.forward(), limits);
+  if (!decoded.ok()) {
+    // Name the field as the client wrote it: forward.q.data, not q.data.
+    return absl::Status(
+        decoded.status().code(),
+        absl::StrCat(
+            decoded.status().code() == absl::StatusCode::kInvalidArgument ? "forward." : "",
+            decoded.status().message()));
+  }
+  DecodedRequest d = *std::move(decoded);
+  const attn::AttentionProblem& p = d.problem;
+  const v1::Tensor& q = r.forward().q();
+  const int rank = q.shape_size();
+  auto same_as_q = [&](const char* name, const v1::Tensor& t) -> absl::Status {
+    if (t.dtype() != q.dtype()) {
+      return Invalid(absl::StrCat(name, ".dtype"),
+                     absl::StrCat(v1::DType_Name(t.dtype()), " differs from forward.q.dtype ",
+                                  v1::DType_Name(q.dtype())));
+    }
+    ATTN_RETURN_IF_ERROR(CheckTensor(name, t, p.dtype, rank));
+    for (int i = 0; i < rank; ++i) {
+      if (t.shape(i) != q.shape(i)) {
+        return Invalid(
+            absl::StrCat(name, ".shape"),
+            absl::StrCat(ShapeString(t), " differs from forward.q.shape ", ShapeString(q)));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (!r.has_d_o()) return Invalid("d_o", "missing (the gradient of the loss w.r.t. O)");
+  ATTN_RETURN_IF_ERROR(same_as_q("d_o", r.d_o()));
+  if (r.has_o() != r.has_lse()) {
+    return Invalid(r.has_o() ? "lse" : "o",
+                   "o and lse come together (the forward's outputs), or neither");
+  }
+  if (r.has_o()) {
+    ATTN_RETURN_IF_ERROR(same_as_q("o", r.o()));
+    const v1::Tensor& lse = r.lse();
+    if (lse.dtype() != v1::DTYPE_FLOAT32) {
+      return Invalid("lse.dtype",
+                     absl::StrCat(v1::DType_Name(lse.dtype()), ", expected DTYPE_FLOAT32"));
+    }
+    ATTN_RETURN_IF_ERROR(CheckTensor("lse", lse, attn::DType::kF32, 2));
+    if (lse.shape(0) != p.num_heads || lse.shape(1) != p.total_q()) {
+      return Invalid("lse.shape", absl::StrCat(ShapeString(lse), ", expected [", p.num_heads, ", ",
+                                               p.total_q(), "] (num_heads, total_q)"));
+    }
+    d.o = r.o().data().data();
+    d.lse = lse.data().data();
+  }
+  const int64_t bytes = BackwardWorkingSetBytes(p);
+  if (bytes > limits.memory_limit_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: the backward pass needs ", bytes,
+                     " bytes for Q, K, V, O, dO, dQ, dK, dV and LSE; the server's memory limit "
+                     "per batch is ",
+                     limits.memory_limit_bytes, " bytes"));
+  }
+  d.backward = true;
+  d.d_o = r.d_o().data().data();
+  d.k_shape.assign(r.forward().k().shape().begin(), r.forward().k().shape().end());
+  d.return_lse = false;
   return d;
 }
 

@@ -28,11 +28,20 @@ struct DecodedRequest {
   bool return_lse = false;
   v1::Path path = v1::PATH_AUTO;
 
+  // AttendBackward only.
+  bool backward = false;
+  const char* d_o = nullptr;     // like q
+  const char* o = nullptr;       // the forward's O, like q; null: the server runs the forward
+  const char* lse = nullptr;     // float32 [num_heads, total_q]; set exactly when o is
+  std::vector<int64_t> k_shape;  // the shape of k, which dK and dV take
+
   int64_t tokens() const { return problem.total_q() + problem.total_k(); }
 };
 
 // Bytes of Q, K, V, O (problem dtype) and the float32 LSE of a problem.
 int64_t WorkingSetBytes(const attn::AttentionProblem& p);
+// The backward pass's: Q, K, V, O, dO, dQ, dK, dV and the LSE.
+int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p);
 
 absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype);
 v1::DType ToProtoDType(attn::DType dtype);
@@ -40,5 +49,8 @@ v1::DType ToProtoDType(attn::DType dtype);
 // INVALID_ARGUMENT naming the field, or RESOURCE_EXHAUSTED when the request is too large.
 absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& request,
                                                    const DecodeLimits& limits);
+// The forward part as DecodeAttendRequest (fields named "forward.q", ...), then d_o, o, lse.
+absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackwardRequest& request,
+                                                           const DecodeLimits& limits);
 
 }  // namespace attnserve

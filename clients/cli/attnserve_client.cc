@@ -6,6 +6,7 @@
 //                           [--q_npy=q.npy --k_npy=k.npy --v_npy=v.npy] [--o_npy=o.npy]
 //   attnserve_client bench  [shape flags] [--concurrency=1,4,16] [--rates=100,200]
 //                           [--rpc=unary|stream --streams=4] [--duration=5s] [--json]
+//   attnserve_client backward [shape flags] [--send_forward] [--check] [--count=N] [--json]
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
 #include <google/protobuf/util/json_util.h>
@@ -77,6 +78,8 @@ ABSL_FLAG(int, channels, 4, "bench: gRPC channels (connections) the clients shar
 ABSL_FLAG(std::string, rpc, "unary",
           "bench: closed loop over 'unary' Attend calls (one per client) or 'stream' (the "
           "concurrency pipelined over --streams AttendStream calls)");
+ABSL_FLAG(bool, send_forward, false,
+          "backward: get O and the LSE from an Attend call first and send them along");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments, name=value[,name=value...] (integers as integers)");
 ABSL_FLAG(int, streams, 4, "bench --rpc=stream: AttendStream calls, spread over the channels");
@@ -297,6 +300,76 @@ bool WaitConnected(grpc::Channel& channel, int index, absl::Duration timeout) {
   return true;
 }
 
+// A training step's gradients: random Q, K, V and dO; with --send_forward the O and LSE of an
+// Attend call go with the request (as a training loop keeps them), else the server recomputes.
+int Backward(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
+  attnserve::client::ShapeSpec spec;
+  std::string error;
+  if (!ShapeFromFlags(&spec, &error)) return Usage(error);
+  auto stub = v1::AttentionService::NewStub(channel);
+  int failures = 0;
+  for (int i = 0; i < absl::GetFlag(FLAGS_count); ++i) {
+    v1::AttendBackwardRequest request = attnserve::client::MakeRandomBackwardRequest(
+        spec, absl::GetFlag(FLAGS_seed) + i, absl::StrCat("cli-backward-", i));
+    v1::AttendRequest& forward = *request.mutable_forward();
+    if (absl::GetFlag(FLAGS_window_left) >= 0)
+      forward.set_window_left(absl::GetFlag(FLAGS_window_left));
+    if (absl::GetFlag(FLAGS_window_right) >= 0) {
+      forward.set_window_right(absl::GetFlag(FLAGS_window_right));
+    }
+    if (absl::GetFlag(FLAGS_send_forward)) {
+      grpc::ClientContext context;
+      factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
+      v1::AttendRequest with_lse = forward;
+      with_lse.set_return_lse(true);
+      v1::AttendResponse out;
+      const grpc::Status status = stub->Attend(&context, with_lse, &out);
+      if (!status.ok()) return RpcFailed("Attend", status);
+      *request.mutable_o() = out.o();
+      *request.mutable_lse() = out.lse();
+    }
+    grpc::ClientContext context;
+    factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
+    v1::AttendBackwardResponse response;
+    const absl::Time t0 = absl::Now();
+    const grpc::Status status = stub->AttendBackward(&context, request, &response);
+    const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    if (!status.ok()) return RpcFailed("AttendBackward", status);
+    std::string check = "unchecked";
+    double max_err = -1;
+    if (absl::GetFlag(FLAGS_check)) {
+      absl::StatusOr<attnserve::client::BackwardCheckResult> r =
+          attnserve::client::CheckBackwardAgainstReference(request, response);
+      if (r.ok()) {
+        check = "ok";
+        max_err = std::max({r->max_abs_error[0], r->max_abs_error[1], r->max_abs_error[2]});
+      } else {
+        check = absl::StrCat("MISMATCH: ", r.status().message());
+        ++failures;
+      }
+    }
+    const v1::Timing& t = response.timing();
+    if (absl::GetFlag(FLAGS_json)) {
+      std::printf(
+          "{\"request_id\": \"%s\", \"engine\": \"%s\", \"latency_ms\": %.3f, "
+          "\"compute_us\": %lld, \"kernel_us\": %lld, \"sent_forward\": %s, \"check\": \"%s\", "
+          "\"max_abs_error\": %g}\n",
+          response.request_id().c_str(), response.engine().c_str(), ms,
+          static_cast<long long>(t.compute_us()), static_cast<long long>(t.kernel_us()),
+          request.has_o() ? "true" : "false", check.c_str(), max_err);
+    } else {
+      std::printf(
+          "%s: engine %s, %.2f ms (compute %lld us, kernel %lld us), d_q %s, %s, check %s%s\n",
+          response.request_id().c_str(), response.engine().c_str(), ms,
+          static_cast<long long>(t.compute_us()), static_cast<long long>(t.kernel_us()),
+          absl::StrJoin(response.d_q().shape(), "x").c_str(),
+          request.has_o() ? "O and LSE sent" : "forward rerun by the server", check.c_str(),
+          max_err >= 0 ? absl::StrFormat(" (max abs error %.3g)", max_err).c_str() : "");
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel) {
   attnserve::client::ShapeSpec spec;
   std::string error;
@@ -365,9 +438,11 @@ int main(int argc, char** argv) {
   };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "attnserve_client {info|health|attend|bench} [flags]: talk to an attnserve server.");
+      "attnserve_client {info|health|attend|bench|backward} [flags]: talk to an attnserve "
+      "server.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) return Usage("expected one command: info, health, attend or bench");
+  if (args.size() != 2)
+    return Usage("expected one command: info, health, attend, bench or backward");
   const std::string command = args[1];
 
   ChannelOptions options;
@@ -384,5 +459,6 @@ int main(int argc, char** argv) {
   if (command == "health") return Health(factory, *channel);
   if (command == "attend") return Attend(factory, *channel);
   if (command == "bench") return Bench(factory, *channel);
+  if (command == "backward") return Backward(factory, *channel);
   return Usage(absl::StrCat("unknown command '", command, "'"));
 }

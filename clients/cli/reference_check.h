@@ -18,4 +18,14 @@ struct CheckResult {
 absl::StatusOr<CheckResult> CheckAgainstReference(const v1::AttendRequest& request,
                                                   const v1::AttendResponse& response);
 
+struct BackwardCheckResult {
+  double max_abs_error[3] = {0, 0, 0};  // dQ, dK, dV
+  double tolerance[3] = {0, 0, 0};      // each held to the dtype's tolerance x max(1, max |ref|)
+};
+
+// The same for AttendBackward: dQ, dK, dV against the reference engine's backward pass, from the
+// O and LSE the request carries, or from the reference's own forward when it carries none.
+absl::StatusOr<BackwardCheckResult> CheckBackwardAgainstReference(
+    const v1::AttendBackwardRequest& request, const v1::AttendBackwardResponse& response);
+
 }  // namespace attnserve::client

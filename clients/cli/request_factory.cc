@@ -54,4 +54,15 @@ v1::AttendRequest MakeRandomRequest(const ShapeSpec& s, uint64_t seed,
   return r;
 }
 
+v1::AttendBackwardRequest MakeRandomBackwardRequest(const ShapeSpec& spec, uint64_t seed,
+                                                    const std::string& request_id) {
+  v1::AttendBackwardRequest r;
+  *r.mutable_forward() = MakeRandomRequest(spec, seed, request_id);
+  r.mutable_forward()->set_return_lse(false);
+  const v1::Tensor& q = r.forward().q();
+  std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull);  // independent of the forward's values
+  FillTensor(r.mutable_d_o(), spec.dtype, {q.shape().begin(), q.shape().end()}, rng);
+  return r;
+}
+
 }  // namespace attnserve::client

@@ -30,4 +30,8 @@ struct ShapeSpec {
 v1::AttendRequest MakeRandomRequest(const ShapeSpec& spec, uint64_t seed,
                                     const std::string& request_id = "");
 
+// A training step's backward request: the forward part as MakeRandomRequest, dO random like q.
+v1::AttendBackwardRequest MakeRandomBackwardRequest(const ShapeSpec& spec, uint64_t seed,
+                                                    const std::string& request_id = "");
+
 }  // namespace attnserve::client

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "attn/dtype.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "clients/cli/channel_factory.h"
 #include "clients/cli/reference_check.h"
@@ -66,6 +67,12 @@ struct Connection {
     grpc::ClientContext context;
     factory->Prepare(&context, timeout);
     return stub->Attend(&context, request, response);
+  }
+  grpc::Status Backward(const v1::AttendBackwardRequest& request,
+                        v1::AttendBackwardResponse* response) {
+    grpc::ClientContext context;
+    factory->Prepare(&context, absl::Seconds(60));
+    return stub->AttendBackward(&context, request, response);
   }
   v1::ServerInfo Info() {
     grpc::ClientContext context;
@@ -198,6 +205,124 @@ TEST(ServerIntegration, LargeBatchCopiesSplitOverLaneThreads) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(ok.load(), kRequests);
   EXPECT_GT(shared.load(), 0) << "the requests never shared a batch";
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+TEST(ServerIntegration, BackwardGradientsMatchTheReference) {
+  // The training endpoint under forward traffic: the held forward requests batch with each
+  // other, the backward ones run alone, and every answer is checked for its own input.
+  Connection c = Connect({"--max_queue_delay=20ms", "--max_batch_requests=8"});
+  const std::vector<ShapeSpec> shapes = {
+      Shape(attn::DType::kF32, 2, 33, 47, 4, 2, 32, true, false, false),
+      Shape(attn::DType::kF32, 3, 20, 40, 4, 1, 64, false, true, false),
+      Shape(attn::DType::kBF16, 1, 65, 65, 2, 2, 64, true, false, false),
+      Shape(attn::DType::kF16, 2, 17, 9, 4, 4, 128, false, true, false),
+  };
+  std::atomic<int> checked{0};
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 2; ++i) {
+        v1::AttendBackwardRequest request = client::MakeRandomBackwardRequest(
+            shapes[t], 70 + t * 10 + i, absl::StrCat("bw-", t, "-", i));
+        if (t == 0 && i == 0) request.mutable_forward()->set_window_left(7);
+        if (i == 1) {  // the client kept O and the LSE of its forward pass
+          v1::AttendRequest forward = request.forward();
+          forward.set_return_lse(true);
+          v1::AttendResponse out;
+          ASSERT_TRUE(c.Attend(forward, &out).ok());
+          *request.mutable_o() = out.o();
+          *request.mutable_lse() = out.lse();
+        }
+        v1::AttendBackwardResponse response;
+        const grpc::Status status = c.Backward(request, &response);
+        ASSERT_TRUE(status.ok()) << status.error_message();
+        EXPECT_EQ(response.request_id(), request.forward().request_id());
+        EXPECT_EQ(response.path(), v1::PATH_CPU);
+        auto check = client::CheckBackwardAgainstReference(request, response);
+        EXPECT_TRUE(check.ok()) << request.forward().request_id() << ": " << check.status();
+        if (check.ok()) ++checked;
+      }
+    });
+  }
+  // Forward traffic alongside.
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 4; ++i) {
+        const v1::AttendRequest request = client::MakeRandomRequest(
+            Shape(attn::DType::kF32, 1, 24, 24, 4, 2, 32, false, false, false), 900 + t * 10 + i);
+        v1::AttendResponse response;
+        ASSERT_TRUE(c.Attend(request, &response).ok());
+        EXPECT_TRUE(client::CheckAgainstReference(request, response).ok());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(checked.load(), 2 * static_cast<int>(shapes.size()));
+
+  // The check can fail: one wrong element of dK is caught.
+  v1::AttendBackwardRequest request = client::MakeRandomBackwardRequest(shapes[0], 5, "bw-x");
+  v1::AttendBackwardResponse response;
+  ASSERT_TRUE(c.Backward(request, &response).ok());
+  ASSERT_TRUE(client::CheckBackwardAgainstReference(request, response).ok());
+  std::string& dk = *response.mutable_d_k()->mutable_data();
+  attn::StoreFromFloat(dk.data(), attn::DType::kF32, 3,
+                       attn::LoadAsFloat(dk.data(), attn::DType::kF32, 3) + 0.01f);
+  EXPECT_FALSE(client::CheckBackwardAgainstReference(request, response).ok());
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+TEST(ServerIntegration, MalformedBackwardRequestsAreRejectedNamingTheField) {
+  Connection c = Connect({"--memory_limit_bytes=1048576"});
+  const v1::AttendBackwardRequest good = client::MakeRandomBackwardRequest(
+      Shape(attn::DType::kF32, 1, 8, 8, 2, 2, 16, false, false, false), 3);
+  struct Case {
+    const char* field;
+    std::function<void(v1::AttendBackwardRequest*)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"forward:", [](v1::AttendBackwardRequest* r) { r->clear_forward(); }},
+      {"forward.q.data:",
+       [](v1::AttendBackwardRequest* r) {
+         r->mutable_forward()->mutable_q()->mutable_data()->pop_back();
+       }},
+      {"d_o:", [](v1::AttendBackwardRequest* r) { r->clear_d_o(); }},
+      {"d_o.shape:",
+       [](v1::AttendBackwardRequest* r) {
+         r->mutable_d_o()->set_shape(1, 4);  // [1, 4, 2, 16]: consistent bytes, not q's shape
+         r->mutable_d_o()->mutable_data()->resize(4 * 2 * 16 * 4);
+       }},
+      {"d_o.dtype:",
+       [](v1::AttendBackwardRequest* r) { r->mutable_d_o()->set_dtype(v1::DTYPE_FLOAT16); }},
+      {"lse:", [](v1::AttendBackwardRequest* r) { *r->mutable_o() = r->d_o(); }},
+      {"lse.shape:",
+       [](v1::AttendBackwardRequest* r) {
+         *r->mutable_o() = r->d_o();
+         r->mutable_lse()->set_dtype(v1::DTYPE_FLOAT32);
+         r->mutable_lse()->add_shape(2);
+         r->mutable_lse()->add_shape(4);
+         r->mutable_lse()->mutable_data()->assign(2 * 4 * 4, '\0');
+       }},
+      {"path: PATH_FUSED",  // the engine choice names the path
+       [](v1::AttendBackwardRequest* r) { r->mutable_forward()->set_path(v1::PATH_FUSED); }},
+  };
+  for (const Case& k : cases) {
+    v1::AttendBackwardRequest bad = good;
+    k.mutate(&bad);
+    v1::AttendBackwardResponse response;
+    const grpc::Status status = c.Backward(bad, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << k.field;
+    EXPECT_TRUE(absl::StartsWith(status.error_message(), k.field))
+        << k.field << " vs " << status.error_message();
+  }
+  // Fits the limit as a forward request (~0.6 MiB) but not with the gradients (~1.1 MiB).
+  const v1::AttendBackwardRequest big = client::MakeRandomBackwardRequest(
+      Shape(attn::DType::kF32, 1, 1024, 1024, 2, 2, 16, false, false, false), 4);
+  v1::AttendBackwardResponse response;
+  const grpc::Status status = c.Backward(big, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  v1::AttendBackwardResponse ok_response;
+  EXPECT_TRUE(c.Backward(good, &ok_response).ok());  // still serving
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
