@@ -1,7 +1,8 @@
 // libFuzzer target: arbitrary bytes into the AttendRequest decoder/validator. Half the inputs
 // are parsed as a serialized request (the wire path); the other half build a request field by
 // field, which reaches the shape and cu_seqlens checks far more often than random protobuf does.
-// Whatever the decoder accepts must describe exactly the bytes it was given.
+// Every accepted request then also goes through the AttendBackward decoder with fuzzed d_o, o
+// and lse. Whatever a decoder accepts must describe exactly the bytes it was given.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cstdint>
@@ -25,6 +26,34 @@ void FillTensor(FuzzedDataProvider& in, attnserve::v1::Tensor* t) {
   const int64_t size =
       elements * (in.ConsumeBool() ? 4 : 2) + in.ConsumeIntegralInRange<int>(-1, 1);
   if (size > 0 && size < (1 << 20)) t->mutable_data()->resize(static_cast<size_t>(size), '\x3c');
+}
+
+// The backward decoder on an accepted forward request: d_o usually like q, o/lse sometimes.
+void CheckBackward(const attnserve::v1::AttendRequest& forward,
+                   const attnserve::DecodeLimits& limits, const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  attnserve::v1::AttendBackwardRequest r;
+  *r.mutable_forward() = forward;
+  if (in.ConsumeBool()) {
+    *r.mutable_d_o() = forward.q();
+  } else {
+    FillTensor(in, r.mutable_d_o());
+  }
+  if (in.ConsumeBool()) *r.mutable_o() = forward.q();
+  if (in.ConsumeBool()) FillTensor(in, r.mutable_lse());
+  const auto decoded = attnserve::DecodeAttendBackwardRequest(r, limits);
+  if (!decoded.ok()) return;
+  const attn::AttentionProblem& p = decoded->problem;
+  const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * attn::DTypeSize(p.dtype);
+  const int64_t lse_bytes = p.total_q() * p.num_heads * 4;
+  const bool with_forward = decoded->o != nullptr;
+  if (q_bytes != static_cast<int64_t>(r.d_o().data().size()) ||
+      with_forward != (decoded->lse != nullptr) ||
+      (with_forward && (q_bytes != static_cast<int64_t>(r.o().data().size()) ||
+                        lse_bytes != static_cast<int64_t>(r.lse().data().size()))) ||
+      attnserve::BackwardWorkingSetBytes(p) > limits.memory_limit_bytes) {
+    std::abort();  // accepted a backward request whose tensors do not match its problem
+  }
 }
 
 }  // namespace
@@ -57,6 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.memory_limit_bytes = int64_t{64} << 20;
   const auto decoded = attnserve::DecodeAttendRequest(request, limits);
   if (!decoded.ok()) return 0;
+  CheckBackward(request, limits, data, size);
   const attn::AttentionProblem& p = decoded->problem;
   const int64_t es = attn::DTypeSize(p.dtype);
   const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * es;
