@@ -316,6 +316,68 @@ TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(MetricsExporter, BackwardIsCountedUnderItsOwnMethod) {
+  const std::string dir = MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string port_file = dir + "/metrics_port";
+  ServerProcess server;
+  ASSERT_TRUE(server.Start(ATTN_SERVER_BINARY, {"--cpu_threads=1", "--metrics_address=127.0.0.1:0",
+                                                "--metrics_port_file=" + port_file}))
+      << server.log();
+  const int metrics_port = std::atoi(ReadPort(port_file).c_str());
+  ASSERT_GT(metrics_port, 0);
+  client::ChannelOptions options;
+  options.target = server.target();
+  client::ChannelFactory factory(options);
+  auto stub = v1::AttentionService::NewStub(*factory.Connect());
+  absl::StatusOr<std::string> before_text = HttpGet(metrics_port, "/metrics");
+  ASSERT_TRUE(before_text.ok()) << before_text.status();
+  const Samples before = Parse(*before_text);
+
+  client::ShapeSpec shape;
+  shape.batch = 2;
+  shape.seqlen_q = 17;
+  shape.seqlen_k = 33;
+  shape.num_heads = 4;
+  shape.num_kv_heads = 2;
+  shape.head_dim = 32;
+  const attn::AttentionProblem one =
+      attn::DenseProblem(attn::DType::kF32, 2, 17, 33, 4, 2, 32, /*causal=*/false);
+  {  // no O and LSE: the server runs the forward too
+    grpc::ClientContext context;
+    factory.Prepare(&context, absl::Seconds(30));
+    v1::AttendBackwardResponse response;
+    const grpc::Status status = stub->AttendBackward(
+        &context, client::MakeRandomBackwardRequest(shape, 1, "bw"), &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  {
+    v1::AttendBackwardRequest bad = client::MakeRandomBackwardRequest(shape, 2, "bw-bad");
+    bad.clear_d_o();
+    grpc::ClientContext context;
+    factory.Prepare(&context, absl::Seconds(30));
+    v1::AttendBackwardResponse response;
+    EXPECT_EQ(stub->AttendBackward(&context, bad, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  absl::StatusOr<std::string> after_text = HttpGet(metrics_port, "/metrics");
+  ASSERT_TRUE(after_text.ok()) << after_text.status();
+  const Samples after = Parse(*after_text);
+  auto delta = [&](const std::string& key) { return Get(after, key) - Get(before, key); };
+  EXPECT_EQ(delta(R"(attnserve_requests_total{code="OK",method="AttendBackward"})"), 1);
+  EXPECT_EQ(delta(R"(attnserve_requests_total{code="INVALID_ARGUMENT",method="AttendBackward"})"),
+            1);
+  EXPECT_EQ(delta(R"(attnserve_requests_total{code="OK",method="Attend"})"), 0);
+  EXPECT_DOUBLE_EQ(delta(R"(attnserve_flops_total{path="cpu"})"), 3.5 * one.forward_flops());
+  EXPECT_EQ(delta(R"(attnserve_tokens_total{kind="query",path="cpu"})"), 2 * 17);
+  EXPECT_EQ(delta(R"(attnserve_fused_io_bytes_total{path="cpu"})"), 0);
+  EXPECT_EQ(delta(R"(attnserve_compute_seconds_count{path="cpu"})"), 1);
+  EXPECT_EQ(Get(after, "attnserve_requests_in_flight"), 0);
+  EXPECT_EQ(Get(after, R"(attnserve_pool_in_use_bytes{device="cpu",memory="host"})"), 0);
+  EXPECT_EQ(server.Stop(SIGTERM), 0) << server.log();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(MetricsExporter, AnAddressThatCannotBeBoundStopsTheServer) {
   ServerProcess server;
   // TEST-NET-3: never an address of this machine.
