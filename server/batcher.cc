@@ -8,7 +8,6 @@
 #include <string>
 #include <utility>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "attn/status_macros.h"
 
@@ -33,6 +32,47 @@ bool Compatible(const WorkItem& a, const WorkItem& b) {
          p.effective_window_left() == q.effective_window_left() &&
          p.effective_window_right() == q.effective_window_right() && p.scale() == q.scale();
 }
+
+// One batch's use of a lane's pool: the pool's device made current, the pool grown to the
+// batch, and both counted in the pool metrics (a device pool holds a pinned host region and a
+// device region of the same size), the bytes in use until the batch is done.
+class PoolUse {
+ public:
+  PoolUse(DevicePool* pool, Metrics* metrics)
+      : pool_(pool),
+        metrics_(metrics),
+        label_(pool->label()),
+        device_(pool->space() == attn::MemorySpace::kDevice) {}
+  ~PoolUse() {
+    if (in_use_ > 0) Account(&Metrics::OnPoolInUse, -in_use_);
+  }
+  PoolUse(const PoolUse&) = delete;
+  PoolUse& operator=(const PoolUse&) = delete;
+
+  absl::Status Acquire(int64_t bytes) {
+    ATTN_RETURN_IF_ERROR(pool_->Activate());
+    const int64_t before = pool_->capacity();
+    ATTN_RETURN_IF_ERROR(pool_->Reserve(bytes));
+    if (pool_->capacity() != before) {
+      Account(&Metrics::OnPoolReserved, pool_->capacity() - before);
+    }
+    Account(&Metrics::OnPoolInUse, bytes);
+    in_use_ = bytes;
+    return absl::OkStatus();
+  }
+
+ private:
+  void Account(void (Metrics::*hook)(std::string_view, Metrics::Memory, int64_t), int64_t delta) {
+    (metrics_->*hook)(label_, Metrics::Memory::kHost, delta);
+    if (device_) (metrics_->*hook)(label_, Metrics::Memory::kDevice, delta);
+  }
+
+  DevicePool* const pool_;
+  Metrics* const metrics_;
+  const std::string label_;
+  const bool device_;
+  int64_t in_use_ = 0;
+};
 
 v1::Path PathOf(attn::EngineKind kind) {
   switch (kind) {
@@ -316,22 +356,10 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   const int64_t o_off = in_place ? 0 : AlignUp(v_off + total_k * kv_row);
   const int64_t lse_off = in_place ? 0 : AlignUp(o_off + total_q * q_row);
   const int64_t end = lse_off + (want_lse ? total_q * p.num_heads * 4 : 0);
-  ATTN_RETURN_IF_ERROR(pool->Activate());
-  const int64_t reserved_before = pool->capacity();
-  ATTN_RETURN_IF_ERROR(pool->Reserve(end));
-  // A device pool holds a pinned host region and a device region of the same size.
+  PoolUse use(pool, metrics_);
+  ATTN_RETURN_IF_ERROR(use.Acquire(end));
   const std::string device_label = pool->label();
   const bool device_pool = pool->space() == attn::MemorySpace::kDevice;
-  auto account = [&](void (Metrics::*hook)(std::string_view, Metrics::Memory, int64_t),
-                     int64_t delta) {
-    (metrics_->*hook)(device_label, Metrics::Memory::kHost, delta);
-    if (device_pool) (metrics_->*hook)(device_label, Metrics::Memory::kDevice, delta);
-  };
-  if (pool->capacity() != reserved_before) {
-    account(&Metrics::OnPoolReserved, pool->capacity() - reserved_before);
-  }
-  account(&Metrics::OnPoolInUse, end);
-  absl::Cleanup release_in_use = [&] { account(&Metrics::OnPoolInUse, -end); };
 
   std::byte* host = pool->host();
   std::string* in_place_o = nullptr;
@@ -430,21 +458,8 @@ absl::Status Batcher::ExecuteBackward(Lane& lane, attn::cpu::ThreadPool& helpers
   DevicePool* pool = engine.memory_space() == attn::MemorySpace::kDevice ? lane.device_pool.get()
                                                                          : lane.host_pool.get();
   if (pool == nullptr) return absl::InternalError("batcher: lane has no pool for the engine");
-  ATTN_RETURN_IF_ERROR(pool->Activate());
-  const int64_t reserved_before = pool->capacity();
-  ATTN_RETURN_IF_ERROR(pool->Reserve(end));
-  const std::string device_label = pool->label();
-  const bool device_pool = pool->space() == attn::MemorySpace::kDevice;
-  auto account = [&](void (Metrics::*hook)(std::string_view, Metrics::Memory, int64_t),
-                     int64_t delta) {
-    (metrics_->*hook)(device_label, Metrics::Memory::kHost, delta);
-    if (device_pool) (metrics_->*hook)(device_label, Metrics::Memory::kDevice, delta);
-  };
-  if (pool->capacity() != reserved_before) {
-    account(&Metrics::OnPoolReserved, pool->capacity() - reserved_before);
-  }
-  account(&Metrics::OnPoolInUse, end);
-  absl::Cleanup release_in_use = [&] { account(&Metrics::OnPoolInUse, -end); };
+  PoolUse use(pool, metrics_);
+  ATTN_RETURN_IF_ERROR(use.Acquire(end));
 
   std::byte* host = pool->host();
   auto bytes_of = [](const char* data) { return reinterpret_cast<const std::byte*>(data); };
