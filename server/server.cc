@@ -71,7 +71,7 @@ bool IsDeviceKind(attn::EngineKind kind) {
 }
 
 v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::EngineKind>& kinds,
-                              int lanes) {
+                              const std::vector<std::unique_ptr<attn::Engine>>& probes, int lanes) {
   v1::ServerInfo info;
   info.set_version(kVersion);
   bool gpu = false;
@@ -86,6 +86,12 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
     if (!listed) info.add_paths(path);
   }
   info.set_gpu(gpu);
+  // Asked of the engines themselves, on a problem every engine with a backward pass takes.
+  const attn::AttentionProblem sample =
+      attn::DenseProblem(attn::DType::kF16, 1, 16, 16, 2, 1, 64, /*causal=*/false);
+  for (const auto& probe : probes) {
+    if (probe->SupportsBackward(sample).ok()) info.add_backward_engines(std::string(probe->name()));
+  }
   if (gpu) {
     for (int d : config.devices) {
       v1::Device* device = info.add_devices();
@@ -192,9 +198,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   AttentionService::Options service_options;
   service_options.auth_token = config.auth_token;
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
-  self->service_ = std::make_unique<AttentionService>(service_options, std::move(probes),
-                                                      self->batcher_.get(), &self->metrics_,
-                                                      DescribeServer(config, kinds, lane_count));
+  v1::ServerInfo info = DescribeServer(config, kinds, probes, lane_count);
+  self->service_ = std::make_unique<AttentionService>(
+      service_options, std::move(probes), self->batcher_.get(), &self->metrics_, std::move(info));
 
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (!config.tls_cert_file.empty()) {

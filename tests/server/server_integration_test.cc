@@ -212,6 +212,9 @@ TEST(ServerIntegration, BackwardGradientsMatchTheReference) {
   // The training endpoint under forward traffic: the held forward requests batch with each
   // other, the backward ones run alone, and every answer is checked for its own input.
   Connection c = Connect({"--max_queue_delay=20ms", "--max_batch_requests=8"});
+  const v1::ServerInfo info = c.Info();
+  ASSERT_EQ(info.backward_engines_size(), 1);
+  EXPECT_EQ(info.backward_engines(0), "cpu_tiled");
   const std::vector<ShapeSpec> shapes = {
       Shape(attn::DType::kF32, 2, 33, 47, 4, 2, 32, true, false, false),
       Shape(attn::DType::kF32, 3, 20, 40, 4, 1, 64, false, true, false),
