@@ -143,6 +143,7 @@ bool Batcher::HasWorkOrStopping() const { return stopping_ || !queue_.empty(); }
 bool Batcher::FrontBatchFull() const {
   if (stopping_ || queue_.empty()) return true;
   const WorkItem& seed = *queue_.front();
+  if (seed.request.backward) return true;  // runs alone: nothing to wait for
   int count = 0;
   int64_t tokens = 0;
   for (const auto& item : queue_) {

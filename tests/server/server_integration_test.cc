@@ -275,6 +275,20 @@ TEST(ServerIntegration, BackwardGradientsMatchTheReference) {
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
+TEST(ServerIntegration, BackwardRequestsDoNotWaitForABatch) {
+  // A held batch never forms around a backward request (it runs alone), so a long
+  // --max_queue_delay must not hold it.
+  Connection c = Connect({"--max_queue_delay=3s", "--max_batch_requests=8"});
+  const v1::AttendBackwardRequest request = client::MakeRandomBackwardRequest(
+      Shape(attn::DType::kF32, 1, 16, 16, 2, 2, 16, false, false, false), 11, "alone");
+  v1::AttendBackwardResponse response;
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(c.Backward(request, &response).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_LT(response.timing().queue_us(), 1'000'000);
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
 TEST(ServerIntegration, MalformedBackwardRequestsAreRejectedNamingTheField) {
   Connection c = Connect({"--memory_limit_bytes=1048576"});
   const v1::AttendBackwardRequest good = client::MakeRandomBackwardRequest(
