@@ -2,6 +2,11 @@
 
 #include <string>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define ATTN_HAVE_F16C_DISPATCH 1
+#endif
+
 #include "absl/strings/str_cat.h"
 
 namespace attn {
@@ -51,6 +56,53 @@ uint16_t FloatToHalf(float f) {
   uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u);  // round to nearest even at bit 13
   r -= 112u << 23;
   return sign | static_cast<uint16_t>(r >> 13);
+}
+
+namespace {
+
+#if defined(ATTN_HAVE_F16C_DISPATCH)
+// IEEE conversions in hardware: round to nearest even, subnormals, overflow to Inf, as the
+// scalar code; FloatToHalf's NaN (quiet bit set, top payload bits kept) matches bit for bit.
+__attribute__((target("avx,f16c"))) void HalfToFloatRowF16C(const uint16_t* in, float* out,
+                                                            int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
+
+__attribute__((target("avx,f16c"))) void FloatToHalfRowF16C(const float* in, uint16_t* out,
+                                                            int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
+bool CpuHasF16C() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+}  // namespace
+
+void HalfToFloatRow(const uint16_t* in, float* out, int64_t n) {
+#if defined(ATTN_HAVE_F16C_DISPATCH)
+  if (CpuHasF16C()) return HalfToFloatRowF16C(in, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
+
+void FloatToHalfRow(const float* in, uint16_t* out, int64_t n) {
+#if defined(ATTN_HAVE_F16C_DISPATCH)
+  if (CpuHasF16C()) return FloatToHalfRowF16C(in, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
 }  // namespace attn

@@ -1,9 +1,12 @@
 // Converting rows of [token, head, head_dim] tensors between their storage dtype and the float /
 // double working precision of the CPU engines. The dtype switch sits outside the loop so each
-// case is a plain loop the compiler can vectorise.
+// case is a plain loop the compiler can vectorise; half precision goes through the row
+// conversions of attn/dtype.h (F16C when the CPU has it).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "attn/dtype.h"
 
@@ -20,7 +23,11 @@ inline void LoadRow(const void* base, DType t, int64_t offset, int n, T* out) {
     }
     case DType::kF16: {
       const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-      for (int c = 0; c < n; ++c) out[c] = static_cast<T>(HalfToFloat(src[c]));
+      if constexpr (std::is_same_v<T, float>) {
+        HalfToFloatRow(src, out, n);
+      } else {
+        for (int c = 0; c < n; ++c) out[c] = static_cast<T>(HalfToFloat(src[c]));
+      }
       return;
     }
     case DType::kBF16: {
@@ -42,7 +49,20 @@ inline void StoreRow(void* base, DType t, int64_t offset, int n, const T* in, T 
     }
     case DType::kF16: {
       uint16_t* dst = static_cast<uint16_t*>(base) + offset;
-      for (int c = 0; c < n; ++c) dst[c] = FloatToHalf(static_cast<float>(in[c] * factor));
+      if constexpr (std::is_same_v<T, float>) {
+        if (factor == 1.f) {
+          FloatToHalfRow(in, dst, n);
+          return;
+        }
+        float scaled[64];  // the products, rounded once to half as in the element loop
+        for (int c0 = 0; c0 < n; c0 += 64) {
+          const int len = std::min(64, n - c0);
+          for (int c = 0; c < len; ++c) scaled[c] = in[c0 + c] * factor;
+          FloatToHalfRow(scaled, dst + c0, len);
+        }
+      } else {
+        for (int c = 0; c < n; ++c) dst[c] = FloatToHalf(static_cast<float>(in[c] * factor));
+      }
       return;
     }
     case DType::kBF16: {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -111,6 +112,50 @@ TEST(HalfTest, AgreesWithCompilerFloat16) {
   }
 }
 #endif
+
+// The row conversions (F16C on this CPU when it has it) give the element functions' bits: every
+// half, and random floats over every exponent plus the edge cases; NaN stays NaN. Rows of odd
+// lengths exercise the vector body and the scalar tail.
+TEST(HalfTest, RowConversionsMatchTheElementFunctions) {
+  std::vector<uint16_t> halves(65536 + 3);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
+  std::vector<float> floats(halves.size());
+  HalfToFloatRow(halves.data(), floats.data(), static_cast<int64_t>(halves.size()));
+  for (size_t i = 0; i < halves.size(); ++i) {
+    const float want = HalfToFloat(halves[i]);
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(floats[i])) << std::hex << halves[i];
+    } else {
+      ASSERT_EQ(FloatBits(floats[i]), FloatBits(want)) << std::hex << halves[i];
+    }
+  }
+
+  std::mt19937 rng(777);
+  std::vector<float> in;
+  for (float f : {0.f, -0.f, 1.f, 65504.f, 65519.f, 65520.f, Pow2(-24), Pow2(-25), Pow2(-25) * 1.5f,
+                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), BitsToFloat(0x7f800001u),
+                  BitsToFloat(0xffc12345u)}) {
+    in.push_back(f);
+  }
+  while (in.size() < 1000003) in.push_back(BitsToFloat(static_cast<uint32_t>(rng())));
+  std::vector<uint16_t> out(in.size());
+  FloatToHalfRow(in.data(), out.data(), static_cast<int64_t>(in.size()));
+  for (size_t i = 0; i < in.size(); ++i) {
+    const uint16_t want = FloatToHalf(in[i]);
+    if (std::isnan(in[i])) {
+      ASSERT_TRUE(std::isnan(HalfToFloat(out[i]))) << std::hexfloat << in[i];
+    } else {
+      ASSERT_EQ(out[i], want) << std::hexfloat << in[i];
+    }
+  }
+  for (int64_t n : {0, 1, 7, 8, 9, 15, 17}) {  // tails alone and around one vector
+    std::vector<uint16_t> part(static_cast<size_t>(n) + 1, 0xabcd);
+    FloatToHalfRow(in.data() + 100, part.data(), n);
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(part[i], FloatToHalf(in[100 + i]));
+    EXPECT_EQ(part[n], 0xabcd) << "wrote past the row";
+  }
+}
 
 TEST(DTypeTest, ParsesNamesAndRejectsOthers) {
   EXPECT_EQ(*ParseDType("bf16"), DType::kBF16);
