@@ -173,6 +173,32 @@ def main():
                                             ("dv", dv, dv_ref)):
                         check(f"{name} ({tag})", got, want, GRAD_TOLERANCE[dtype], failures)
 
+            # Many requests pipelined on one AttendStream call, answered in any order.
+            problems, wants = [], []
+            for i in range(12):
+                lq, lk = 5 + 3 * i, 9 + 2 * i
+                q = rng.uniform(-1, 1, (1, lq, 4, 32)).astype(np.float32)
+                k = rng.uniform(-1, 1, (1, lk, 2, 32)).astype(np.float32)
+                v = rng.uniform(-1, 1, (1, lk, 2, 32)).astype(np.float32)
+                problems.append(dict(q=q, k=k, v=v, causal=i % 2 == 1, return_lse=i % 3 == 0))
+                wants.append(reference(q, k, v, causal=i % 2 == 1))
+            seen = set()
+            for index, o, lse in c.attend_many(problems):
+                seen.add(index)
+                check(f"stream o[{index}]", o, wants[index][0], TOLERANCE["float32"], failures)
+                if (lse is not None) != (index % 3 == 0):
+                    failures.append(f"stream lse[{index}] presence")
+            if seen != set(range(len(problems))):
+                failures.append(f"stream answered {sorted(seen)}")
+            bad = dict(problems[0], k=problems[0]["k"][:, :, :1])  # k with 1 KV head, v with 2
+            try:
+                list(c.attend_many([problems[1], bad]))
+                failures.append("stream: malformed request accepted")
+            except RuntimeError as e:
+                print("stream malformed:", e)
+                if "INVALID_ARGUMENT" not in str(e):
+                    failures.append("stream: malformed request's code")
+
             # A malformed request raises with the server's field-named message.
             q = rng.uniform(-1, 1, (1, 8, 2, 16)).astype(np.float32)
             try:

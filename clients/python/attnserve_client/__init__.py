@@ -4,6 +4,8 @@
     with Client("127.0.0.1:50051") as c:
         o, lse = c.attend(q, k, v, causal=True, return_lse=True)
         dq, dk, dv = c.backward(q, k, v, d_o, o=o, lse=lse, causal=True)
+        for i, o, lse in c.attend_many([dict(q=q, k=k, v=v), dict(q=q2, k=k2, v=v2)]):
+            ...  # pipelined on one AttendStream call, in completion order
 
 Layouts as in proto/attnserve/v1/attention.proto: dense [batch, seqlen, heads, head_dim], or
 variable-length [tokens, heads, head_dim] with cu_seqlens_q / cu_seqlens_k. float32 and float16

@@ -7,6 +7,7 @@ from attnserve.v1 import attention_pb2 as pb
 
 _SERVICE = "/attnserve.v1.AttentionService/"
 _PATHS = {"auto": pb.PATH_AUTO, "fused": pb.PATH_FUSED, "naive": pb.PATH_NAIVE, "cpu": pb.PATH_CPU}
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _DTYPES = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
 
 
@@ -66,6 +67,9 @@ class Client:
         self._backward = self._method("AttendBackward", pb.AttendBackwardRequest,
                                       pb.AttendBackwardResponse)
         self._info = self._method("GetServerInfo", pb.GetServerInfoRequest, pb.ServerInfo)
+        self._stream = self._channel.stream_stream(
+            _SERVICE + "AttendStream", request_serializer=pb.AttendRequest.SerializeToString,
+            response_deserializer=pb.AttendResponse.FromString)
 
     def _method(self, name, request, response):
         return self._channel.unary_unary(_SERVICE + name,
@@ -139,3 +143,37 @@ class Client:
         response = self._call(self._backward, request)
         self.last_response = response
         return from_tensor(response.d_q), from_tensor(response.d_k), from_tensor(response.d_v)
+
+    def attend_many(self, problems, *, timeout=None):
+        """Many forward requests pipelined on one AttendStream call, for throughput: the server
+        batches them with whatever else it is running. problems: an iterable of dicts with the
+        arguments of attend() (q, k, v and the keywords). Yields (index, o, lse or None) as the
+        answers arrive, in completion order. A failed request raises RuntimeError naming its
+        index, the status code and the server's message when its answer arrives (the stream
+        itself failing raises grpc.RpcError)."""
+        def requests():
+            for i, p in enumerate(problems):
+                p = dict(p)
+                q, k, v = p.pop("q"), p.pop("k"), p.pop("v")
+                return_lse = p.pop("return_lse", False)
+                r = self._request(q, k, v, causal=p.pop("causal", False),
+                                  window_left=p.pop("window_left", None),
+                                  window_right=p.pop("window_right", None),
+                                  scale=p.pop("scale", None),
+                                  cu_seqlens_q=p.pop("cu_seqlens_q", None),
+                                  cu_seqlens_k=p.pop("cu_seqlens_k", None),
+                                  path=p.pop("path", "auto"), dtype=p.pop("dtype", None),
+                                  request_id=str(i))
+                if p:
+                    raise TypeError(f"problem {i}: unknown keys {sorted(p)}")
+                r.return_lse = return_lse
+                yield r
+
+        for response in self._stream(requests(), timeout=timeout or self._timeout,
+                                     metadata=self._metadata):
+            index = int(response.request_id)
+            if response.HasField("error"):
+                code = _CODE_NAMES.get(response.error.code, str(response.error.code))
+                raise RuntimeError(f"problem {index}: {code}: {response.error.message}")
+            lse = from_tensor(response.lse) if response.HasField("lse") else None
+            yield index, from_tensor(response.o), lse
