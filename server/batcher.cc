@@ -49,6 +49,9 @@ class PoolUse {
   PoolUse(const PoolUse&) = delete;
   PoolUse& operator=(const PoolUse&) = delete;
 
+  // The metrics' device label: "cuda:N" or "cpu".
+  const std::string& label() const { return label_; }
+
   absl::Status Acquire(int64_t bytes) {
     ATTN_RETURN_IF_ERROR(pool_->Activate());
     const int64_t before = pool_->capacity();
@@ -359,7 +362,7 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   const int64_t end = lse_off + (want_lse ? total_q * p.num_heads * 4 : 0);
   PoolUse use(pool, metrics_);
   ATTN_RETURN_IF_ERROR(use.Acquire(end));
-  const std::string device_label = pool->label();
+  const std::string& device_label = use.label();
   const bool device_pool = pool->space() == attn::MemorySpace::kDevice;
 
   std::byte* host = pool->host();

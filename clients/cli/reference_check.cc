@@ -46,7 +46,8 @@ double GradientTolerance(attn::DType dtype) {
 absl::Status CheckTensorLike(const char* name, const v1::Tensor& got, const v1::Tensor& like,
                              const char* like_name) {
   if (got.dtype() != like.dtype()) {
-    return absl::FailedPreconditionError(absl::StrCat(name, ".dtype: differs from ", like_name));
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ".dtype: differs from ", like_name, ".dtype"));
   }
   if (got.shape_size() != like.shape_size()) {
     return absl::FailedPreconditionError(
@@ -74,20 +75,7 @@ absl::StatusOr<CheckResult> CheckAgainstReference(const v1::AttendRequest& reque
   const attn::AttentionProblem& p = d.problem;
 
   const v1::Tensor& o = response.o();
-  if (o.dtype() != request.q().dtype()) {
-    return absl::FailedPreconditionError("o.dtype: differs from q.dtype");
-  }
-  if (o.shape_size() != request.q().shape_size()) {
-    return absl::FailedPreconditionError("o.shape: rank differs from q");
-  }
-  for (int i = 0; i < o.shape_size(); ++i) {
-    if (o.shape(i) != request.q().shape(i)) {
-      return absl::FailedPreconditionError(absl::StrCat("o.shape[", i, "]: differs from q"));
-    }
-  }
-  if (o.data().size() != request.q().data().size()) {
-    return absl::FailedPreconditionError("o.data: wrong length");
-  }
+  ATTN_RETURN_IF_ERROR(CheckTensorLike("o", o, request.q(), "q"));
 
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<attn::Engine> engine,
                         attn::CreateEngine(attn::EngineKind::kCpuReference));

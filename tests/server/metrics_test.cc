@@ -105,6 +105,32 @@ std::string ReadPort(const std::string& file) {
   return port;
 }
 
+// A server with the exporter on a free port, and a client stub for it.
+struct ExportingServer {
+  std::string dir;
+  ServerProcess server;
+  int metrics_port = 0;
+  std::unique_ptr<client::ChannelFactory> factory;
+  std::unique_ptr<v1::AttentionService::Stub> stub;
+
+  // Fails the test (ASSERT) when the server or its exporter does not come up.
+  void Start() {
+    dir = MakeTempDir();
+    ASSERT_FALSE(dir.empty());
+    const std::string port_file = dir + "/metrics_port";
+    ASSERT_TRUE(server.Start(
+        ATTN_SERVER_BINARY,
+        {"--cpu_threads=1", "--metrics_address=127.0.0.1:0", "--metrics_port_file=" + port_file}))
+        << server.log();
+    metrics_port = std::atoi(ReadPort(port_file).c_str());
+    ASSERT_GT(metrics_port, 0);
+    client::ChannelOptions options;
+    options.target = server.target();
+    factory = std::make_unique<client::ChannelFactory>(options);
+    stub = v1::AttentionService::NewStub(*factory->Connect());
+  }
+};
+
 TEST(MetricsFormulas, FusedAndNaiveIoBytes) {
   // Two sequences (3 x 5 and 4 x 2 tokens), 4 query heads, 2 KV heads, head_dim 8, bf16.
   attn::AttentionProblem p;
@@ -176,22 +202,15 @@ TEST(MetricsHooks, QueueAndInFlightGauges) {
 }
 
 TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
-  const std::string dir = MakeTempDir();
-  ASSERT_FALSE(dir.empty());
-  const std::string port_file = dir + "/metrics_port";
-  ServerProcess server;
-  ASSERT_TRUE(server.Start(ATTN_SERVER_BINARY, {"--cpu_threads=1", "--metrics_address=127.0.0.1:0",
-                                                "--metrics_port_file=" + port_file}))
-      << server.log();
-  const int metrics_port = std::atoi(ReadPort(port_file).c_str());
-  ASSERT_GT(metrics_port, 0);
+  ExportingServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start());
+  ServerProcess& server = s.server;
+  const std::string& dir = s.dir;
+  const int metrics_port = s.metrics_port;
+  client::ChannelFactory& factory = *s.factory;
+  auto& stub = s.stub;
   EXPECT_TRUE(absl::StrContains(server.log(), absl::StrCat("metrics on port ", metrics_port)))
       << server.log();
-
-  client::ChannelOptions options;
-  options.target = server.target();
-  client::ChannelFactory factory(options);
-  auto stub = v1::AttentionService::NewStub(*factory.Connect());
 
   absl::StatusOr<std::string> before_text = HttpGet(metrics_port, "/metrics");
   ASSERT_TRUE(before_text.ok()) << before_text.status();
@@ -317,19 +336,12 @@ TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
 }
 
 TEST(MetricsExporter, BackwardIsCountedUnderItsOwnMethod) {
-  const std::string dir = MakeTempDir();
-  ASSERT_FALSE(dir.empty());
-  const std::string port_file = dir + "/metrics_port";
-  ServerProcess server;
-  ASSERT_TRUE(server.Start(ATTN_SERVER_BINARY, {"--cpu_threads=1", "--metrics_address=127.0.0.1:0",
-                                                "--metrics_port_file=" + port_file}))
-      << server.log();
-  const int metrics_port = std::atoi(ReadPort(port_file).c_str());
-  ASSERT_GT(metrics_port, 0);
-  client::ChannelOptions options;
-  options.target = server.target();
-  client::ChannelFactory factory(options);
-  auto stub = v1::AttentionService::NewStub(*factory.Connect());
+  ExportingServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start());
+  ServerProcess& server = s.server;
+  const int metrics_port = s.metrics_port;
+  client::ChannelFactory& factory = *s.factory;
+  auto& stub = s.stub;
   absl::StatusOr<std::string> before_text = HttpGet(metrics_port, "/metrics");
   ASSERT_TRUE(before_text.ok()) << before_text.status();
   const Samples before = Parse(*before_text);
@@ -375,7 +387,7 @@ TEST(MetricsExporter, BackwardIsCountedUnderItsOwnMethod) {
   EXPECT_EQ(Get(after, "attnserve_requests_in_flight"), 0);
   EXPECT_EQ(Get(after, R"(attnserve_pool_in_use_bytes{device="cpu",memory="host"})"), 0);
   EXPECT_EQ(server.Stop(SIGTERM), 0) << server.log();
-  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(s.dir);
 }
 
 TEST(MetricsExporter, AnAddressThatCannotBeBoundStopsTheServer) {

@@ -93,8 +93,8 @@ class Client:
         return json_format.MessageToDict(self._call(self._info, pb.GetServerInfoRequest()),
                                          preserving_proto_field_name=True)
 
-    def _request(self, q, k, v, *, causal, window_left, window_right, scale, cu_seqlens_q,
-                 cu_seqlens_k, path, dtype, request_id):
+    def _request(self, q, k, v, *, causal=False, window_left=None, window_right=None, scale=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, path="auto", dtype=None, request_id=""):
         r = pb.AttendRequest(request_id=request_id, q=to_tensor(q, dtype), k=to_tensor(k, dtype),
                              v=to_tensor(v, dtype), causal=causal, softmax_scale=scale or 0.0,
                              path=_PATHS[path])
@@ -154,18 +154,8 @@ class Client:
         def requests():
             for i, p in enumerate(problems):
                 p = dict(p)
-                q, k, v = p.pop("q"), p.pop("k"), p.pop("v")
                 return_lse = p.pop("return_lse", False)
-                r = self._request(q, k, v, causal=p.pop("causal", False),
-                                  window_left=p.pop("window_left", None),
-                                  window_right=p.pop("window_right", None),
-                                  scale=p.pop("scale", None),
-                                  cu_seqlens_q=p.pop("cu_seqlens_q", None),
-                                  cu_seqlens_k=p.pop("cu_seqlens_k", None),
-                                  path=p.pop("path", "auto"), dtype=p.pop("dtype", None),
-                                  request_id=str(i))
-                if p:
-                    raise TypeError(f"problem {i}: unknown keys {sorted(p)}")
+                r = self._request(**p, request_id=str(i))  # unknown keys raise TypeError
                 r.return_lse = return_lse
                 yield r
 
