@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attn/status_macros.h"
 #include "server/grpc_status.h"
 #include "server/logging.h"
 
@@ -300,7 +301,8 @@ absl::Status AttentionService::Admit(Metrics::Method method, const v1::AttendReq
                                      v1::AttendResponse* response, absl::Time deadline,
                                      std::shared_ptr<const std::atomic<bool>> cancelled,
                                      std::function<void(const absl::Status&)> done) {
-  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(request, options_.limits);
+  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(
+      request, options_.limits, options_.shared_memory ? &shared_memory_ : nullptr);
   if (!decoded.ok()) return decoded.status();
   return Submit(method, *std::move(decoded), response, nullptr, deadline, std::move(cancelled),
                 std::move(done));
@@ -311,7 +313,8 @@ absl::Status AttentionService::AdmitBackward(const v1::AttendBackwardRequest& re
                                              absl::Time deadline,
                                              std::shared_ptr<const std::atomic<bool>> cancelled,
                                              std::function<void(const absl::Status&)> done) {
-  absl::StatusOr<DecodedRequest> decoded = DecodeAttendBackwardRequest(request, options_.limits);
+  absl::StatusOr<DecodedRequest> decoded = DecodeAttendBackwardRequest(
+      request, options_.limits, options_.shared_memory ? &shared_memory_ : nullptr);
   if (!decoded.ok()) return decoded.status();
   return Submit(Metrics::Method::kAttendBackward, *std::move(decoded), nullptr, response, deadline,
                 std::move(cancelled), std::move(done));
@@ -370,6 +373,58 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   *response = info_;
   *response->mutable_stats() = metrics_->Snapshot();
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+absl::Status AttentionService::CheckSharedMemoryCall(
+    const grpc::CallbackServerContext& context) const {
+  ATTN_RETURN_IF_ERROR(CheckCall(context));
+  if (!options_.shared_memory) {
+    return absl::FailedPreconditionError(
+        "shared memory: disabled on this server (--shared_memory=false); send tensor bytes in "
+        "the request");
+  }
+  if (const std::string peer = context.peer(); !IsSameHostPeer(peer)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shared memory: only for clients on the server's host (loopback or a unix socket); "
+        "peer is ",
+        peer));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = CheckSharedMemoryCall(*context);
+  // Opening and mapping a shared-memory object are quick system calls (no I/O), fine on the
+  // callback thread.
+  if (status.ok()) status = shared_memory_.Register(*request);
+  if (status.ok()) {
+    metrics_->OnSharedMemory(shared_memory_.size(), shared_memory_.mapped_bytes());
+    ATTN_LOG(kDebug) << "shared memory region '" << request->name() << "' registered ("
+                     << request->key() << ", " << request->byte_size() << " bytes)";
+  }
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = CheckSharedMemoryCall(*context);
+  if (status.ok()) {
+    absl::StatusOr<int> removed = shared_memory_.Unregister(request->name());
+    if (removed.ok()) {
+      response->set_unregistered(*removed);
+      metrics_->OnSharedMemory(shared_memory_.size(), shared_memory_.mapped_bytes());
+    } else {
+      status = removed.status();
+    }
+  }
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 

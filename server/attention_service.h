@@ -18,6 +18,7 @@
 #include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/request_decoder.h"
+#include "server/shared_memory.h"
 
 namespace attnserve {
 
@@ -26,6 +27,7 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   struct Options {
     std::string auth_token;  // empty: no authentication
     DecodeLimits limits;
+    bool shared_memory = true;  // RegisterSharedMemory for same-host peers
   };
 
   // `probes` hold one instance per engine the lanes run, in the same order (AUTO's preference);
@@ -44,12 +46,20 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
 
   // From now on new requests get UNAVAILABLE; accepted ones run to the end.
   void StartDraining() { draining_.store(true); }
 
   // Used by the reactors.
   absl::Status CheckCall(const grpc::CallbackServerContext& context) const;
+  // CheckCall, then shared memory enabled and the peer on this host.
+  absl::Status CheckSharedMemoryCall(const grpc::CallbackServerContext& context) const;
   // Validates the request and queues it; `done` runs once the response is filled (OK) or the
   // request failed. On error `done` is not called and nothing was queued.
   absl::Status Admit(Metrics::Method method, const v1::AttendRequest& request,
@@ -79,6 +89,7 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   Metrics* const metrics_;
   const v1::ServerInfo info_;
   std::atomic<bool> draining_{false};
+  SharedMemoryRegistry shared_memory_;
 
   absl::Mutex probes_mu_;
   std::vector<std::unique_ptr<attn::Engine>> probes_ ABSL_GUARDED_BY(probes_mu_);

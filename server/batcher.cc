@@ -292,11 +292,15 @@ void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64
   v1::Tensor& o = *out.mutable_o();
   o.set_dtype(ToProtoDType(p.dtype));
   for (int64_t d : r.o_shape) o.add_shape(d);
+  if (r.o_out_ref != nullptr) *o.mutable_shared_memory() = *r.o_out_ref;
   if (launched.o != nullptr && nq > 0) {
-    std::string* data = o.mutable_data();
-    data->resize(static_cast<size_t>(nq * launched.q_row));
-    copies->push_back({reinterpret_cast<std::byte*>(data->data()),
-                       launched.o + q_first * launched.q_row, nq * launched.q_row});
+    std::byte* dst = r.o_out;
+    if (dst == nullptr) {
+      std::string* data = o.mutable_data();
+      data->resize(static_cast<size_t>(nq * launched.q_row));
+      dst = reinterpret_cast<std::byte*>(data->data());
+    }
+    copies->push_back({dst, launched.o + q_first * launched.q_row, nq * launched.q_row});
   }
   if (r.return_lse) {
     v1::Tensor& l = *out.mutable_lse();
@@ -366,10 +370,14 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   const bool device_pool = pool->space() == attn::MemorySpace::kDevice;
 
   std::byte* host = pool->host();
-  std::string* in_place_o = nullptr;
+  void* in_place_o = nullptr;
   if (in_place) {
-    in_place_o = batch.front()->response->mutable_o()->mutable_data();
-    in_place_o->resize(static_cast<size_t>(total_q * q_row));
+    in_place_o = batch.front()->request.o_out;  // a shared-memory range, or the response's bytes
+    if (in_place_o == nullptr) {
+      std::string* data = batch.front()->response->mutable_o()->mutable_data();
+      data->resize(static_cast<size_t>(total_q * q_row));
+      in_place_o = data->data();
+    }
   } else {
     // Each request's Q, K and V go to their rows of the packed tensors.
     std::vector<CopyTask> copies;
@@ -395,7 +403,7 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
     args.q = attn::Packed<const void*>(r.q, p.num_heads, p.head_dim);
     args.k = attn::Packed<const void*>(r.k, p.num_kv_heads, p.head_dim);
     args.v = attn::Packed<const void*>(r.v, p.num_kv_heads, p.head_dim);
-    args.o = attn::Packed<void*>(in_place_o->data(), p.num_heads, p.head_dim);
+    args.o = attn::Packed<void*>(in_place_o, p.num_heads, p.head_dim);
   } else {
     args.q = attn::Packed<const void*>(dev + q_off, p.num_heads, p.head_dim);
     args.k = attn::Packed<const void*>(dev + k_off, p.num_kv_heads, p.head_dim);

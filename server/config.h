@@ -36,6 +36,8 @@ struct Config {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string auth_token;  // empty: no authentication
+  // RegisterSharedMemory for same-host peers (server/shared_memory.h).
+  bool shared_memory = true;
 
   absl::Duration drain_timeout = absl::Seconds(30);
 

@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, tls_key_file, "", "PEM private key for --tls_cert_file");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a bearer token every AttentionService call must present "
           "(authorization: Bearer <token>); health and reflection stay open");
+ABSL_FLAG(bool, shared_memory, true,
+          "Let clients on this host (loopback or unix-socket peers) register POSIX shared-memory "
+          "regions and send tensors by reference instead of in the message");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT, how long accepted calls get to finish");
 constexpr char kDefaultMetricsAddress[] = "0.0.0.0:9464";
@@ -100,6 +103,7 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
       return absl::InvalidArgumentError("--auth_token_file: the first line is empty");
     }
   }
+  c.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   c.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);

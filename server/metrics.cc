@@ -137,6 +137,16 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                  .Help("Requests waiting in the batcher queue")
                  .Register(r)
                  .Add({});
+  shared_memory_regions_ = &prometheus::BuildGauge()
+                                .Name("attnserve_shared_memory_regions")
+                                .Help("Shared-memory regions clients have registered")
+                                .Register(r)
+                                .Add({});
+  shared_memory_bytes_ = &prometheus::BuildGauge()
+                              .Name("attnserve_shared_memory_mapped_bytes")
+                              .Help("Bytes of the registered shared-memory regions")
+                              .Register(r)
+                              .Add({});
   request_duration_ = &prometheus::BuildHistogram()
                            .Name("attnserve_request_duration_seconds")
                            .Help("End to end time of admitted requests, admission to response")
@@ -280,6 +290,11 @@ void Metrics::OnFinished(Method method, const absl::Status& status, absl::Durati
   CountRequest(method, status);
   queue_wait_->Observe(absl::ToDoubleSeconds(queue));
   request_duration_->Observe(absl::ToDoubleSeconds(total));
+}
+
+void Metrics::OnSharedMemory(int regions, uint64_t mapped_bytes) {
+  shared_memory_regions_->Set(regions);
+  shared_memory_bytes_->Set(static_cast<double>(mapped_bytes));
 }
 
 void Metrics::OnPoolReserved(std::string_view device, Memory memory, int64_t delta_bytes) {

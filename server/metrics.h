@@ -110,6 +110,8 @@ class Metrics {
   void OnPoolInUse(std::string_view device, Memory memory, int64_t delta_bytes);
   // cudaMemGetInfo's view of a GPU.
   void OnDeviceMemory(std::string_view device, int64_t used_bytes, int64_t total_bytes);
+  // The registered shared-memory regions, after a change.
+  void OnSharedMemory(int regions, uint64_t mapped_bytes);
 
   v1::Stats Snapshot() const;
   // The registry in Prometheus text format, as /metrics serves it.
@@ -126,6 +128,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Gauge* in_flight_;
   prometheus::Gauge* queued_;
+  prometheus::Gauge* shared_memory_regions_;
+  prometheus::Gauge* shared_memory_bytes_;
   prometheus::Histogram* request_duration_;
   prometheus::Histogram* queue_wait_;
   prometheus::Family<prometheus::Histogram>* compute_;

@@ -41,12 +41,45 @@ absl::Status CheckTensor(const char* name, const v1::Tensor& t, attn::DType dtyp
     elements *= dim;
   }
   const int64_t expected = elements * attn::DTypeSize(dtype);
+  if (t.has_shared_memory()) {
+    // The byte count is checked against the reference when it is resolved.
+    if (!t.data().empty()) {
+      return Invalid(absl::StrCat(name, ".data"),
+                     absl::StrCat(t.data().size(), " bytes while ", name,
+                                  ".shared_memory is set: the elements go in one or the other"));
+    }
+    return absl::OkStatus();
+  }
   if (static_cast<int64_t>(t.data().size()) != expected) {
     return Invalid(absl::StrCat(name, ".data"),
                    absl::StrCat(t.data().size(), " bytes, expected ", expected, " (shape ",
                                 ShapeString(t), " x ", std::string(attn::DTypeName(dtype)), ")"));
   }
   return absl::OkStatus();
+}
+
+int64_t TensorBytes(const v1::Tensor& t, attn::DType dtype) {
+  int64_t elements = 1;
+  for (int64_t dim : t.shape()) elements *= dim;
+  return elements * attn::DTypeSize(dtype);
+}
+
+// Where a checked tensor's elements are: its own bytes, or a registered shared-memory range
+// (kept mapped by `d`).
+absl::StatusOr<const char*> ElementsOf(const std::string& name, const v1::Tensor& t,
+                                       attn::DType dtype, const SharedMemoryRegistry* shared_memory,
+                                       DecodedRequest* d) {
+  if (!t.has_shared_memory()) return t.data().data();
+  if (shared_memory == nullptr) {
+    return Invalid(absl::StrCat(name, ".shared_memory"),
+                   "shared memory is disabled on this server; send the bytes in data");
+  }
+  absl::StatusOr<SharedMemorySpan> span =
+      shared_memory->Resolve(t.shared_memory(), static_cast<uint64_t>(TensorBytes(t, dtype)),
+                             absl::StrCat(name, ".shared_memory"));
+  if (!span.ok()) return span.status();
+  d->regions.push_back(std::move(span->region));
+  return reinterpret_cast<const char*>(span->data);
 }
 
 absl::Status CheckDim(const char* field, int64_t got, int64_t want, const char* what) {
@@ -103,7 +136,8 @@ v1::DType ToProtoDType(attn::DType dtype) {
 }
 
 absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
-                                                   const DecodeLimits& limits) {
+                                                   const DecodeLimits& limits,
+                                                   const SharedMemoryRegistry* shared_memory) {
   if (!r.has_q()) return Invalid("q", "missing");
   if (!r.has_k()) return Invalid("k", "missing");
   if (!r.has_v()) return Invalid("v", "missing");
@@ -211,19 +245,37 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
                                                      limits.memory_limit_bytes, " bytes"));
   }
 
-  d.q = r.q().data().data();
-  d.k = r.k().data().data();
-  d.v = r.v().data().data();
+  ATTN_ASSIGN_OR_RETURN(d.q, ElementsOf("q", r.q(), p.dtype, shared_memory, &d));
+  ATTN_ASSIGN_OR_RETURN(d.k, ElementsOf("k", r.k(), p.dtype, shared_memory, &d));
+  ATTN_ASSIGN_OR_RETURN(d.v, ElementsOf("v", r.v(), p.dtype, shared_memory, &d));
+  if (r.has_o_shared_memory()) {
+    if (shared_memory == nullptr) {
+      return Invalid("o_shared_memory",
+                     "shared memory is disabled on this server; O comes back in the response");
+    }
+    ATTN_ASSIGN_OR_RETURN(SharedMemorySpan span,
+                          shared_memory->Resolve(r.o_shared_memory(),
+                                                 static_cast<uint64_t>(TensorBytes(r.q(), p.dtype)),
+                                                 "o_shared_memory"));
+    d.o_out = span.data;
+    d.o_out_ref = &r.o_shared_memory();
+    d.regions.push_back(std::move(span.region));
+  }
   d.o_shape.assign(qs.begin(), qs.end());
   d.return_lse = r.return_lse();
   d.path = r.path();
   return d;
 }
 
-absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackwardRequest& r,
-                                                           const DecodeLimits& limits) {
+absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(
+    const v1::AttendBackwardRequest& r, const DecodeLimits& limits,
+    const SharedMemoryRegistry* shared_memory) {
   if (!r.has_forward()) return Invalid("forward", "missing (q, k, v and the mask)");
-  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(r.forward(), limits);
+  if (r.forward().has_o_shared_memory()) {
+    return Invalid("forward.o_shared_memory",
+                   "not used by AttendBackward (the gradients come back in the response)");
+  }
+  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(r.forward(), limits, shared_memory);
   if (!decoded.ok()) {
     // Name the field as the client wrote it: forward.q.data, not q.data.
     return absl::Status(
@@ -270,8 +322,8 @@ absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackw
       return Invalid("lse.shape", absl::StrCat(ShapeString(lse), ", expected [", p.num_heads, ", ",
                                                p.total_q(), "] (num_heads, total_q)"));
     }
-    d.o = r.o().data().data();
-    d.lse = lse.data().data();
+    ATTN_ASSIGN_OR_RETURN(d.o, ElementsOf("o", r.o(), p.dtype, shared_memory, &d));
+    ATTN_ASSIGN_OR_RETURN(d.lse, ElementsOf("lse", lse, attn::DType::kF32, shared_memory, &d));
   }
   const int64_t bytes = BackwardWorkingSetBytes(p);
   if (bytes > limits.memory_limit_bytes) {
@@ -282,7 +334,7 @@ absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackw
                      limits.memory_limit_bytes, " bytes"));
   }
   d.backward = true;
-  d.d_o = r.d_o().data().data();
+  ATTN_ASSIGN_OR_RETURN(d.d_o, ElementsOf("d_o", r.d_o(), p.dtype, shared_memory, &d));
   d.k_shape.assign(r.forward().k().shape().begin(), r.forward().k().shape().end());
   d.return_lse = false;
   return d;

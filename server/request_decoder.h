@@ -3,12 +3,15 @@
 // and the message names the field. The libFuzzer target (tests/server) drives this file.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "attn/problem.h"
 #include "attnserve/v1/attention.pb.h"
+#include "server/shared_memory.h"
 
 namespace attnserve {
 
@@ -17,8 +20,8 @@ struct DecodeLimits {
   int64_t memory_limit_bytes = int64_t{4} << 30;
 };
 
-// A validated request. The tensor pointers alias the request's bytes: the request must outlive
-// this object.
+// A validated request. The tensor pointers alias the request's bytes or the shared-memory
+// regions it refers to (kept mapped by `regions`): the request must outlive this object.
 struct DecodedRequest {
   attn::AttentionProblem problem;
   const char* q = nullptr;  // [total_q, num_heads, head_dim], packed
@@ -27,6 +30,10 @@ struct DecodedRequest {
   std::vector<int64_t> o_shape;  // the shape of q, which O takes
   bool return_lse = false;
   v1::Path path = v1::PATH_AUTO;
+  // o_shared_memory: O goes here instead of into the response, which echoes the reference.
+  std::byte* o_out = nullptr;
+  const v1::SharedMemoryRef* o_out_ref = nullptr;
+  std::vector<std::shared_ptr<const SharedMemoryRegion>> regions;
 
   // AttendBackward only.
   bool backward = false;
@@ -47,10 +54,13 @@ absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype);
 v1::DType ToProtoDType(attn::DType dtype);
 
 // INVALID_ARGUMENT naming the field, or RESOURCE_EXHAUSTED when the request is too large.
-absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& request,
-                                                   const DecodeLimits& limits);
+// Tensors may refer to `shared_memory`'s regions; without a registry such a request is invalid.
+absl::StatusOr<DecodedRequest> DecodeAttendRequest(
+    const v1::AttendRequest& request, const DecodeLimits& limits,
+    const SharedMemoryRegistry* shared_memory = nullptr);
 // The forward part as DecodeAttendRequest (fields named "forward.q", ...), then d_o, o, lse.
-absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackwardRequest& request,
-                                                           const DecodeLimits& limits);
+absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(
+    const v1::AttendBackwardRequest& request, const DecodeLimits& limits,
+    const SharedMemoryRegistry* shared_memory = nullptr);
 
 }  // namespace attnserve

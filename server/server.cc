@@ -118,6 +118,7 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
   limits->set_max_head_dim(attn::kMaxHeadDim);
   limits->set_batch_lanes(lanes);
   info.set_auth_required(!config.auth_token.empty());
+  info.set_shared_memory(config.shared_memory);
   return info;
 }
 
@@ -198,6 +199,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   AttentionService::Options service_options;
   service_options.auth_token = config.auth_token;
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
+  service_options.shared_memory = config.shared_memory;
   v1::ServerInfo info = DescribeServer(config, kinds, probes, lane_count);
   self->service_ = std::make_unique<AttentionService>(
       service_options, std::move(probes), self->batcher_.get(), &self->metrics_, std::move(info));

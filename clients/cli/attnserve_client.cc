@@ -2,10 +2,11 @@
 //
 //   attnserve_client info   [--target=host:port] [--json]
 //   attnserve_client health [--service=attnserve.v1.AttentionService]
-//   attnserve_client attend [shape flags] [--check] [--count=N] [--json]
+//   attnserve_client attend [shape flags] [--check] [--count=N] [--json] [--shared_memory]
 //                           [--q_npy=q.npy --k_npy=k.npy --v_npy=v.npy] [--o_npy=o.npy]
 //   attnserve_client bench  [shape flags] [--concurrency=1,4,16] [--rates=100,200]
 //                           [--rpc=unary|stream --streams=4] [--duration=5s] [--json]
+//                           [--shared_memory]
 //   attnserve_client backward [shape flags] [--send_forward] [--check] [--count=N] [--json]
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
@@ -32,6 +33,7 @@
 #include "clients/cli/npy_file.h"
 #include "clients/cli/reference_check.h"
 #include "clients/cli/request_factory.h"
+#include "clients/cli/shared_memory_buffer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/malloc_tuning.h"
 
@@ -83,6 +85,9 @@ ABSL_FLAG(bool, send_forward, false,
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments, name=value[,name=value...] (integers as integers)");
 ABSL_FLAG(int, streams, 4, "bench --rpc=stream: AttendStream calls, spread over the channels");
+ABSL_FLAG(bool, shared_memory, false,
+          "attend, bench: send Q, K, V by reference to a shared-memory region registered with "
+          "the server, and get O back in it (same host only)");
 
 namespace {
 
@@ -220,6 +225,9 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
   const bool from_npy = !absl::GetFlag(FLAGS_q_npy).empty() ||
                         !absl::GetFlag(FLAGS_k_npy).empty() || !absl::GetFlag(FLAGS_v_npy).empty();
   auto stub = v1::AttentionService::NewStub(channel);
+  const bool shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  const std::string region = absl::StrCat("cli-", getpid());
+  std::unique_ptr<attnserve::client::SharedMemoryBuffer> buffer;
   int failures = 0;
   for (int i = 0; i < (from_npy ? 1 : absl::GetFlag(FLAGS_count)); ++i) {
     v1::AttendRequest request;
@@ -235,13 +243,55 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
     if (absl::GetFlag(FLAGS_window_right) >= 0) {
       request.set_window_right(absl::GetFlag(FLAGS_window_right));
     }
+    // By reference: Q, K, V and a slot for O in a region registered for this request.
+    v1::AttendRequest sent = request;
+    if (shared_memory) {
+      const int64_t o_bytes = static_cast<int64_t>(request.q().data().size());
+      const int64_t bytes = attnserve::client::LoadGenerator::SharedMemoryBytes({request}, 1);
+      absl::StatusOr<std::unique_ptr<attnserve::client::SharedMemoryBuffer>> created =
+          attnserve::client::SharedMemoryBuffer::Create(bytes);
+      if (!created.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(created.status().message()).c_str());
+        return 1;
+      }
+      if (buffer != nullptr)
+        (void)attnserve::client::UnregisterSharedMemory(*stub, factory, region);
+      buffer = *std::move(created);
+      if (const grpc::Status s =
+              attnserve::client::RegisterSharedMemory(*stub, factory, region, *buffer);
+          !s.ok()) {
+        return RpcFailed("RegisterSharedMemory", s);
+      }
+      int64_t offset = 0;
+      for (v1::Tensor* t : {sent.mutable_q(), sent.mutable_k(), sent.mutable_v()}) {
+        if (absl::Status s = attnserve::client::MoveToSharedMemory(t, region, *buffer, &offset);
+            !s.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+          return 1;
+        }
+      }
+      v1::SharedMemoryRef& o_ref = *sent.mutable_o_shared_memory();
+      o_ref.set_region(region);
+      o_ref.set_offset(static_cast<uint64_t>(attnserve::client::SharedMemoryAlignUp(offset)));
+      o_ref.set_byte_size(static_cast<uint64_t>(o_bytes));
+    }
     grpc::ClientContext context;
     factory.Prepare(&context, absl::GetFlag(FLAGS_timeout));
     v1::AttendResponse response;
     const absl::Time t0 = absl::Now();
-    const grpc::Status status = stub->Attend(&context, request, &response);
+    const grpc::Status status = stub->Attend(&context, sent, &response);
     const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     if (!status.ok()) return RpcFailed("Attend", status);
+    if (response.o().has_shared_memory()) {  // O is in the region: read it back for what follows
+      absl::StatusOr<std::string> o =
+          attnserve::client::ReadSharedMemory(response.o().shared_memory(), *buffer);
+      if (!o.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(o.status().message()).c_str());
+        return 1;
+      }
+      response.mutable_o()->clear_shared_memory();
+      *response.mutable_o()->mutable_data() = *std::move(o);
+    }
     for (const auto& [path, tensor] : {std::pair{absl::GetFlag(FLAGS_o_npy), &response.o()},
                                        std::pair{absl::GetFlag(FLAGS_lse_npy), &response.lse()}}) {
       if (path.empty()) continue;
@@ -281,6 +331,12 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
           static_cast<long long>(response.timing().compute_us()), response.batch().requests(),
           absl::StrJoin(response.o().shape(), "x").c_str(), check.c_str(),
           max_err >= 0 ? absl::StrFormat(" (max abs error %.3g)", max_err).c_str() : "");
+    }
+  }
+  if (buffer != nullptr) {
+    if (const grpc::Status s = attnserve::client::UnregisterSharedMemory(*stub, factory, region);
+        !s.ok()) {
+      return RpcFailed("UnregisterSharedMemory", s);
     }
   }
   return failures == 0 ? 0 : 1;
@@ -395,8 +451,36 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
       return 1;
     }
   }
+  // By reference: the pool's tensors and one O slot per request in flight in one region.
+  std::unique_ptr<attnserve::client::SharedMemoryBuffer> buffer;
+  attnserve::client::SharedMemoryTensors shared_memory;
+  auto stub = v1::AttentionService::NewStub(channel);
+  if (absl::GetFlag(FLAGS_shared_memory)) {
+    int slots = 1;
+    for (const std::string& level : absl::GetFlag(FLAGS_concurrency)) {
+      int n = 0;
+      if (absl::SimpleAtoi(level, &n)) slots = std::max(slots, n);
+    }
+    absl::StatusOr<std::unique_ptr<attnserve::client::SharedMemoryBuffer>> created =
+        attnserve::client::SharedMemoryBuffer::Create(
+            attnserve::client::LoadGenerator::SharedMemoryBytes(pool, slots));
+    if (!created.ok()) {
+      std::fprintf(stderr, "bench: %s\n", std::string(created.status().message()).c_str());
+      return 1;
+    }
+    buffer = *std::move(created);
+    shared_memory.region = absl::StrCat("bench-", getpid());
+    shared_memory.buffer = buffer.get();
+    shared_memory.output_slots = slots;
+    if (const grpc::Status s =
+            attnserve::client::RegisterSharedMemory(*stub, factory, shared_memory.region, *buffer);
+        !s.ok()) {
+      return RpcFailed("RegisterSharedMemory", s);
+    }
+  }
   attnserve::client::LoadGenerator generator(&factory, channels, std::move(pool),
-                                             absl::GetFlag(FLAGS_timeout));
+                                             absl::GetFlag(FLAGS_timeout),
+                                             buffer != nullptr ? &shared_memory : nullptr);
   std::vector<attnserve::client::LoadResult> results;
   const bool json = absl::GetFlag(FLAGS_json);
   const std::string rpc = absl::GetFlag(FLAGS_rpc);
@@ -424,6 +508,13 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
     std::vector<std::string> items;
     for (const auto& r : results) items.push_back(r.ToJson());
     std::printf("[\n  %s\n]\n", absl::StrJoin(items, ",\n  ").c_str());
+  }
+  if (buffer != nullptr) {
+    if (const grpc::Status s =
+            attnserve::client::UnregisterSharedMemory(*stub, factory, shared_memory.region);
+        !s.ok()) {
+      return RpcFailed("UnregisterSharedMemory", s);
+    }
   }
   return 0;
 }

@@ -73,10 +73,58 @@ std::string StatusCodeName(grpc::StatusCode code) {
   return i >= 0 && i <= 16 ? kNames[i] : absl::StrCat("CODE_", i);
 }
 
+int64_t LoadGenerator::SharedMemoryBytes(const std::vector<v1::AttendRequest>& pool,
+                                         int output_slots) {
+  int64_t bytes = 0, largest_o = 0;
+  for (const v1::AttendRequest& r : pool) {
+    for (const v1::Tensor* t : {&r.q(), &r.k(), &r.v()}) {
+      bytes = SharedMemoryAlignUp(bytes) + static_cast<int64_t>(t->data().size());
+    }
+    largest_o = std::max(largest_o, static_cast<int64_t>(r.q().data().size()));
+  }
+  return SharedMemoryAlignUp(bytes) + output_slots * SharedMemoryAlignUp(largest_o);
+}
+
 LoadGenerator::LoadGenerator(const ChannelFactory* factory,
                              const std::vector<std::shared_ptr<grpc::Channel>>& channels,
-                             std::vector<v1::AttendRequest> pool, absl::Duration timeout)
+                             std::vector<v1::AttendRequest> pool, absl::Duration timeout,
+                             const SharedMemoryTensors* shared_memory)
     : factory_(factory), channels_(channels), pool_(std::move(pool)), timeout_(timeout) {
+  // Sizes first, from the tensors' own bytes.
+  DecodeLimits limits;
+  limits.memory_limit_bytes = int64_t{1} << 40;
+  for (const v1::AttendRequest& r : pool_) {
+    absl::StatusOr<DecodedRequest> d = DecodeAttendRequest(r, limits);
+    flops_.push_back(d.ok() ? d->problem.forward_flops() : 0.0);
+    tokens_.push_back(d.ok() ? d->tokens() : 0);
+  }
+  if (shared_memory != nullptr) {
+    SharedMemoryBuffer& buffer = *shared_memory->buffer;
+    int64_t offset = 0, largest_o = 0;
+    for (v1::AttendRequest& r : pool_) {
+      largest_o = std::max(largest_o, static_cast<int64_t>(r.q().data().size()));
+      for (v1::Tensor* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
+        // Sized by SharedMemoryBytes: a tensor that does not fit keeps its bytes.
+        (void)MoveToSharedMemory(t, shared_memory->region, buffer, &offset);
+      }
+    }
+    const int64_t slot_bytes = SharedMemoryAlignUp(largest_o);
+    int64_t at = SharedMemoryAlignUp(offset);
+    for (int i = 0; i < shared_memory->output_slots && at + slot_bytes <= buffer.size(); ++i) {
+      v1::AttendRequest o_only;
+      v1::SharedMemoryRef& ref = *o_only.mutable_o_shared_memory();
+      ref.set_region(shared_memory->region);
+      ref.set_offset(static_cast<uint64_t>(at));
+      // Every pooled request has the same O size in a bench pool (one shape); the ref must name
+      // the exact size, so a mixed pool sends O back in the response instead.
+      ref.set_byte_size(static_cast<uint64_t>(largest_o));
+      o_slots_.push_back(grpc::Slice(o_only.SerializeAsString()));
+      at += slot_bytes;
+    }
+    for (const v1::AttendRequest& r : pool_) {
+      if (static_cast<int64_t>(r.q().shared_memory().byte_size()) != largest_o) o_slots_.clear();
+    }
+  }
   for (const auto& channel : channels_) {
     stubs_.push_back(v1::AttentionService::NewStub(channel));
     attend_methods_.push_back(std::make_unique<grpc::internal::RpcMethod>(
@@ -100,13 +148,11 @@ LoadGenerator::LoadGenerator(const ChannelFactory* factory,
     if (!serialize(body).Dump(&slices).ok()) slices.clear();
     bodies_.push_back(std::move(slices));
   }
-  DecodeLimits limits;
-  limits.memory_limit_bytes = int64_t{1} << 40;
-  for (const v1::AttendRequest& r : pool_) {
-    absl::StatusOr<DecodedRequest> d = DecodeAttendRequest(r, limits);
-    flops_.push_back(d.ok() ? d->problem.forward_flops() : 0.0);
-    tokens_.push_back(d.ok() ? d->tokens() : 0);
-  }
+}
+
+void LoadGenerator::AppendBody(size_t request, int slot, std::vector<grpc::Slice>* message) const {
+  message->insert(message->end(), bodies_[request].begin(), bodies_[request].end());
+  if (slot >= 0 && slot < static_cast<int>(o_slots_.size())) message->push_back(o_slots_[slot]);
 }
 
 LoadGenerator::Sample LoadGenerator::MakeSample(absl::Duration latency, size_t request,
@@ -135,11 +181,17 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
         v1::AttendResponse response;
         const absl::Time t0 = absl::Now();
         const size_t channel = c % channels_.size();
+        grpc::ByteBuffer with_slot;
+        if (!o_slots_.empty()) {
+          std::vector<grpc::Slice> message;
+          AppendBody(next, c, &message);
+          with_slot = grpc::ByteBuffer(message.data(), message.size());
+        }
         const grpc::Status status =
             grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::AttendResponse,
                                               grpc::ByteBuffer, grpc::protobuf::MessageLite>(
-                channels_[channel].get(), *attend_methods_[channel], &context, payloads_[next],
-                &response);
+                channels_[channel].get(), *attend_methods_[channel], &context,
+                o_slots_.empty() ? payloads_[next] : with_slot, &response);
         const absl::Duration latency = absl::Now() - t0;
         absl::MutexLock lock(&tally.mu);
         if (status.ok()) {
@@ -163,9 +215,13 @@ LoadResult LoadGenerator::RunClosedLoopStream(int concurrency, int streams,
   const absl::Time start = absl::Now();
   const absl::Time stop = start + duration;
   std::vector<std::thread> threads;
+  int first_slot = 0;
   for (int s = 0; s < streams; ++s) {
     const int depth = concurrency / streams + (s < concurrency % streams ? 1 : 0);
-    threads.emplace_back([this, s, depth, stop, &tally] { RunStream(s, depth, stop, &tally); });
+    threads.emplace_back([this, s, depth, first_slot, stop, &tally] {
+      RunStream(s, depth, first_slot, stop, &tally);
+    });
+    first_slot += depth;
   }
   for (std::thread& t : threads) t.join();
   LoadResult r = Summarize("closed", "stream", concurrency, absl::Now() - start, tally);
@@ -173,7 +229,8 @@ LoadResult LoadGenerator::RunClosedLoopStream(int concurrency, int streams,
   return r;
 }
 
-void LoadGenerator::RunStream(int stream, int depth, absl::Time stop, Tally* tally) {
+void LoadGenerator::RunStream(int stream, int depth, int first_slot, absl::Time stop,
+                              Tally* tally) {
   const size_t channel = static_cast<size_t>(stream) % channels_.size();
   grpc::ClientContext context;
   // The deadline covers the whole stream: the load, then the last responses.
@@ -244,12 +301,14 @@ void LoadGenerator::RunStream(int stream, int depth, absl::Time stop, Tally* tal
   size_t next = static_cast<size_t>(stream) % pool_.size();
   while (true) {
     grpc::Slice id;
+    int slot_index = 0;
     {
       absl::MutexLock lock(&mu);
       auto has_free = [&free_slots]() { return !free_slots.empty(); };
       mu.AwaitWithDeadline(absl::Condition(&has_free), stop);
       if (free_slots.empty() || absl::Now() >= stop) break;
-      Slot& s = slots[free_slots.back()];
+      slot_index = free_slots.back();
+      Slot& s = slots[slot_index];
       free_slots.pop_back();
       ++in_flight;
       s.busy = true;
@@ -258,9 +317,9 @@ void LoadGenerator::RunStream(int stream, int depth, absl::Time stop, Tally* tal
       id = s.id;
     }
     std::vector<grpc::Slice> message;
-    message.reserve(1 + bodies_[next].size());
+    message.reserve(2 + bodies_[next].size());
     message.push_back(id);
-    message.insert(message.end(), bodies_[next].begin(), bodies_[next].end());
+    AppendBody(next, first_slot + slot_index, &message);
     const grpc::ByteBuffer bytes(message.data(), message.size());
     if (!call->Write(bytes)) break;  // the stream failed; Finish says why
     next = (next + 1) % pool_.size();
@@ -344,6 +403,7 @@ LoadResult LoadGenerator::Summarize(const std::string& mode, const std::string& 
   r.errors = tally.errors;
   r.first_errors = tally.first_errors;
   r.client_cpu_s = ProcessCpuSeconds() - tally.cpu_at_start;
+  r.shared_memory = !pool_.empty() && pool_.front().q().has_shared_memory();
   std::vector<double> ms, queue_ms, compute_ms, kernel_ms, overhead_ms, outside_ms;
   double flops = 0, tokens = 0, batch = 0;
   for (const Sample& s : samples) {
@@ -388,15 +448,17 @@ std::string LoadResult::ToJson() const {
                     JsonEscape(message), "\"");
   }
   return absl::StrFormat(
-      "{\"mode\": \"%s\", \"rpc\": \"%s\", \"streams\": %d, \"level\": %g, \"seconds\": %.3f, "
+      "{\"mode\": \"%s\", \"rpc\": \"%s\", \"streams\": %d, \"shared_memory\": %s, "
+      "\"level\": %g, \"seconds\": %.3f, "
       "\"ok\": %d, \"errors\": {%s}, \"requests_per_s\": %.2f, \"tokens_per_s\": %.1f, "
       "\"tflops\": %.6f, \"p50_ms\": %.3f, \"p90_ms\": %.3f, \"p99_ms\": %.3f, "
       "\"mean_batch_requests\": %.2f, \"p50_queue_ms\": %.3f, \"p50_compute_ms\": %.3f, "
       "\"p50_kernel_ms\": %.4f, \"p50_overhead_ms\": %.3f, \"p50_outside_ms\": %.3f, "
       "\"client_cpu_s\": %.3f, \"first_errors\": {%s}}",
-      mode, rpc, streams, level, seconds, ok, errs, requests_per_s, tokens_per_s, tflops, p50_ms,
-      p90_ms, p99_ms, mean_batch_requests, p50_queue_ms, p50_compute_ms, p50_kernel_ms,
-      p50_overhead_ms, p50_outside_ms, client_cpu_s, messages);
+      mode, rpc, streams, shared_memory ? "true" : "false", level, seconds, ok, errs,
+      requests_per_s, tokens_per_s, tflops, p50_ms, p90_ms, p99_ms, mean_batch_requests,
+      p50_queue_ms, p50_compute_ms, p50_kernel_ms, p50_overhead_ms, p50_outside_ms, client_cpu_s,
+      messages);
 }
 
 std::string LoadResult::ToText() const {

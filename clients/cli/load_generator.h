@@ -8,6 +8,10 @@
 // The closed loop runs over either RPC: unary Attend (one blocking call per client thread) or
 // AttendStream (the concurrency split over a few bidirectional streams, each keeping its share
 // of requests in flight and matching responses by request_id).
+//
+// With shared memory (same-host clients) the pool's Q, K and V live in a registered region and
+// the messages only refer to them; in the closed loops each request in flight has its own O
+// slot in the region too, so gRPC moves a few hundred bytes per request each way.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -25,6 +29,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "clients/cli/channel_factory.h"
+#include "clients/cli/shared_memory_buffer.h"
 
 namespace attnserve::client {
 
@@ -32,6 +37,8 @@ struct LoadResult {
   std::string mode;  // "closed" or "open"
   std::string rpc;   // "unary" or "stream"
   int streams = 0;   // AttendStream calls the load ran over (stream only)
+  // Q, K, V by reference to shared memory (and O too in the closed loops), not in the messages.
+  bool shared_memory = false;
   double level = 0;  // concurrency (closed) or offered requests/s (open)
   double seconds = 0;
   int64_t ok = 0;
@@ -57,12 +64,24 @@ struct LoadResult {
   std::string ToText() const;
 };
 
+// Where the pool's tensors go when they travel by reference.
+struct SharedMemoryTensors {
+  std::string region;                    // the name `buffer` is registered under
+  SharedMemoryBuffer* buffer = nullptr;  // at least SharedMemoryBytes(pool, output_slots)
+  int output_slots = 0;                  // O slots: >= the closed loops' largest concurrency
+};
+
 class LoadGenerator {
  public:
   // Clients and open-loop calls take the channels round-robin (each channel is a connection).
+  // With `shared_memory` the pool's tensors are moved into its buffer.
   LoadGenerator(const ChannelFactory* factory,
                 const std::vector<std::shared_ptr<grpc::Channel>>& channels,
-                std::vector<v1::AttendRequest> pool, absl::Duration timeout);
+                std::vector<v1::AttendRequest> pool, absl::Duration timeout,
+                const SharedMemoryTensors* shared_memory = nullptr);
+
+  // The buffer `pool` needs: its Q, K, V and `output_slots` O slots as large as its largest O.
+  static int64_t SharedMemoryBytes(const std::vector<v1::AttendRequest>& pool, int output_slots);
 
   LoadResult RunClosedLoop(int concurrency, absl::Duration duration);
   // `concurrency` requests in flight over min(streams, concurrency) AttendStream calls.
@@ -88,8 +107,12 @@ class LoadGenerator {
     }
     double cpu_at_start = 0;  // process CPU seconds when the level started
   };
-  // One AttendStream call keeping `depth` requests in flight until `stop`.
-  void RunStream(int stream, int depth, absl::Time stop, Tally* tally);
+  // One AttendStream call keeping `depth` requests in flight until `stop`; its slot i uses O
+  // slot first_slot + i.
+  void RunStream(int stream, int depth, int first_slot, absl::Time stop, Tally* tally);
+  // A closed-loop message: pooled request `request`'s body, and O slot `slot` when O goes to
+  // shared memory.
+  void AppendBody(size_t request, int slot, std::vector<grpc::Slice>* message) const;
   static Sample MakeSample(absl::Duration latency, size_t request,
                            const v1::AttendResponse& response);
   LoadResult Summarize(const std::string& mode, const std::string& rpc, double level,
@@ -105,6 +128,8 @@ class LoadGenerator {
   // pool_ without request_id, serialized once; a stream sends a short message carrying only the
   // request_id followed by these bytes, which protobuf parses as the two merged.
   std::vector<std::vector<grpc::Slice>> bodies_;
+  // Shared memory: per O slot, a message holding only o_shared_memory (merged like the id).
+  std::vector<grpc::Slice> o_slots_;
   std::vector<double> flops_;
   std::vector<int64_t> tokens_;
   absl::Duration timeout_;

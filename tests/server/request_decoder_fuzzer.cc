@@ -2,16 +2,61 @@
 // are parsed as a serialized request (the wire path); the other half build a request field by
 // field, which reaches the shape and cu_seqlens checks far more often than random protobuf does.
 // Every accepted request then also goes through the AttendBackward decoder with fuzzed d_o, o
-// and lse. Whatever a decoder accepts must describe exactly the bytes it was given.
+// and lse. Tensors sometimes refer to a registered shared-memory region (or to one that is not)
+// instead of carrying bytes. Whatever a decoder accepts must describe exactly the bytes it was
+// given, and a tensor in shared memory must lie inside the region.
+#include <fcntl.h>
 #include <fuzzer/FuzzedDataProvider.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "attnserve/v1/attention.pb.h"
 #include "server/request_decoder.h"
+#include "server/shared_memory.h"
 
 namespace {
+
+constexpr uint64_t kRegionBytes = 64 << 10;
+
+// One region, "fuzz", registered for the whole run; its object's name is removed at once.
+const attnserve::SharedMemoryRegistry& Registry() {
+  static attnserve::SharedMemoryRegistry* registry = [] {
+    auto* r = new attnserve::SharedMemoryRegistry;
+    const std::string key = "/attnserve-fuzz-" + std::to_string(getpid());
+    const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0 || ftruncate(fd, kRegionBytes) != 0) std::abort();
+    close(fd);
+    attnserve::v1::RegisterSharedMemoryRequest request;
+    request.set_name("fuzz");
+    request.set_key(key);
+    request.set_offset(0);
+    request.set_byte_size(kRegionBytes);
+    if (!r->Register(request).ok()) std::abort();
+    shm_unlink(key.c_str());
+    return r;
+  }();
+  return *registry;
+}
+
+// The bytes a tensor claims: its data, or its shared-memory range.
+int64_t ClaimedBytes(const attnserve::v1::Tensor& t) {
+  return t.has_shared_memory() ? static_cast<int64_t>(t.shared_memory().byte_size())
+                               : static_cast<int64_t>(t.data().size());
+}
+
+// Aborts unless `p` .. p + bytes lies inside the "fuzz" region when `t` is in shared memory.
+void CheckInRegion(const attnserve::v1::Tensor& t, const char* p, int64_t bytes) {
+  if (!t.has_shared_memory()) return;
+  auto span = Registry().Resolve(t.shared_memory(), static_cast<uint64_t>(bytes), "t");
+  if (!span.ok() || reinterpret_cast<const std::byte*>(p) != span->data ||
+      span->data + bytes > span->region->data() + span->region->size()) {
+    std::abort();
+  }
+}
 
 void FillTensor(FuzzedDataProvider& in, attnserve::v1::Tensor* t) {
   t->set_dtype(static_cast<attnserve::v1::DType>(in.ConsumeIntegralInRange<int>(0, 4)));
@@ -25,6 +70,13 @@ void FillTensor(FuzzedDataProvider& in, attnserve::v1::Tensor* t) {
   // Usually the right length for float32/16, sometimes off by a little.
   const int64_t size =
       elements * (in.ConsumeBool() ? 4 : 2) + in.ConsumeIntegralInRange<int>(-1, 1);
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0) {  // by reference, sometimes also with data
+    attnserve::v1::SharedMemoryRef& ref = *t->mutable_shared_memory();
+    ref.set_region(in.ConsumeBool() ? "fuzz" : "missing");
+    ref.set_offset(in.ConsumeIntegralInRange<uint64_t>(0, kRegionBytes + 8));
+    ref.set_byte_size(size > 0 ? static_cast<uint64_t>(size) : in.ConsumeIntegral<uint64_t>());
+    if (in.ConsumeIntegralInRange<int>(0, 7) != 0) return;
+  }
   if (size > 0 && size < (1 << 20)) t->mutable_data()->resize(static_cast<size_t>(size), '\x3c');
 }
 
@@ -41,18 +93,21 @@ void CheckBackward(const attnserve::v1::AttendRequest& forward,
   }
   if (in.ConsumeBool()) *r.mutable_o() = forward.q();
   if (in.ConsumeBool()) FillTensor(in, r.mutable_lse());
-  const auto decoded = attnserve::DecodeAttendBackwardRequest(r, limits);
+  const auto decoded = attnserve::DecodeAttendBackwardRequest(r, limits, &Registry());
   if (!decoded.ok()) return;
   const attn::AttentionProblem& p = decoded->problem;
   const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * attn::DTypeSize(p.dtype);
   const int64_t lse_bytes = p.total_q() * p.num_heads * 4;
   const bool with_forward = decoded->o != nullptr;
-  if (q_bytes != static_cast<int64_t>(r.d_o().data().size()) ||
-      with_forward != (decoded->lse != nullptr) ||
-      (with_forward && (q_bytes != static_cast<int64_t>(r.o().data().size()) ||
-                        lse_bytes != static_cast<int64_t>(r.lse().data().size()))) ||
+  if (q_bytes != ClaimedBytes(r.d_o()) || with_forward != (decoded->lse != nullptr) ||
+      (with_forward && (q_bytes != ClaimedBytes(r.o()) || lse_bytes != ClaimedBytes(r.lse()))) ||
       attnserve::BackwardWorkingSetBytes(p) > limits.memory_limit_bytes) {
     std::abort();  // accepted a backward request whose tensors do not match its problem
+  }
+  CheckInRegion(r.d_o(), decoded->d_o, q_bytes);
+  if (with_forward) {
+    CheckInRegion(r.o(), decoded->o, q_bytes);
+    CheckInRegion(r.lse(), decoded->lse, lse_bytes);
   }
 }
 
@@ -81,21 +136,35 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (in.ConsumeBool()) request.set_window_right(in.ConsumeIntegralInRange<int>(-3, 50));
     request.set_softmax_scale(in.ConsumeFloatingPoint<float>());
     request.set_path(static_cast<attnserve::v1::Path>(in.ConsumeIntegralInRange<int>(-1, 5)));
+    if (in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+      attnserve::v1::SharedMemoryRef& ref = *request.mutable_o_shared_memory();
+      ref.set_region(in.ConsumeBool() ? "fuzz" : "missing");
+      ref.set_offset(in.ConsumeIntegralInRange<uint64_t>(0, kRegionBytes + 8));
+      ref.set_byte_size(static_cast<uint64_t>(ClaimedBytes(request.q())));
+    }
   }
   attnserve::DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{64} << 20;
-  const auto decoded = attnserve::DecodeAttendRequest(request, limits);
+  const auto decoded = attnserve::DecodeAttendRequest(request, limits, &Registry());
   if (!decoded.ok()) return 0;
   CheckBackward(request, limits, data, size);
   const attn::AttentionProblem& p = decoded->problem;
   const int64_t es = attn::DTypeSize(p.dtype);
   const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * es;
   const int64_t kv_bytes = p.total_k() * p.num_kv_heads * p.head_dim * es;
-  if (q_bytes != static_cast<int64_t>(request.q().data().size()) ||
-      kv_bytes != static_cast<int64_t>(request.k().data().size()) ||
-      kv_bytes != static_cast<int64_t>(request.v().data().size()) ||
+  if (q_bytes != ClaimedBytes(request.q()) || kv_bytes != ClaimedBytes(request.k()) ||
+      kv_bytes != ClaimedBytes(request.v()) ||
       attnserve::WorkingSetBytes(p) > limits.memory_limit_bytes || !attn::ValidateProblem(p).ok()) {
     std::abort();  // accepted a request whose tensors do not match its problem
+  }
+  CheckInRegion(request.q(), decoded->q, q_bytes);
+  CheckInRegion(request.k(), decoded->k, kv_bytes);
+  CheckInRegion(request.v(), decoded->v, kv_bytes);
+  if (request.has_o_shared_memory() != (decoded->o_out != nullptr)) std::abort();
+  if (decoded->o_out != nullptr) {
+    attnserve::v1::Tensor o;
+    *o.mutable_shared_memory() = request.o_shared_memory();
+    CheckInRegion(o, reinterpret_cast<const char*>(decoded->o_out), q_bytes);
   }
   return 0;
 }

@@ -26,6 +26,7 @@
 #include "clients/cli/channel_factory.h"
 #include "clients/cli/reference_check.h"
 #include "clients/cli/request_factory.h"
+#include "clients/cli/shared_memory_buffer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/server/server_process.h"
 
@@ -177,6 +178,119 @@ TEST(ServerIntegration, ConcurrentClientsWithDifferentShapesGetTheirOwnAnswers) 
   const v1::ServerInfo info = c.Info();
   EXPECT_GT(info.stats().batched_requests(), 0u);
   EXPECT_LT(info.stats().batches(), info.stats().requests_completed());
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+TEST(ServerIntegration, SharedMemoryTensorsMatchTheReference) {
+  Connection c = Connect({"--max_queue_delay=30ms", "--max_batch_requests=16"});
+  EXPECT_TRUE(c.Info().shared_memory());
+  constexpr int kThreads = 4, kRequestsPerThread = 4;
+  constexpr int64_t kArea = 256 << 10;  // per thread: its request's Q, K, V and O
+  auto buffer = client::SharedMemoryBuffer::Create(kThreads * kArea);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  const grpc::Status registered =
+      client::RegisterSharedMemory(*c.stub, *c.factory, "tensors", **buffer);
+  ASSERT_TRUE(registered.ok()) << registered.error_message();
+
+  // One batch-compatible shape family with different lengths; threads 0 and 1 send everything
+  // by reference, thread 2 only the inputs, thread 3 everything inline: all batch together.
+  std::atomic<int> ok{0}, max_batch{0};
+  absl::Mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kRequestsPerThread; ++i) {
+        const std::string id = absl::StrCat("shm", t, "-", i);
+        const v1::AttendRequest request =
+            client::MakeRandomRequest(Shape(attn::DType::kF16, 1 + i % 2, 9 + t, 20 + 3 * i, 4, 2,
+                                            64, t % 2 == 1, false, true),
+                                      7000 + t * 100 + i, id);
+        v1::AttendRequest sent = request;
+        int64_t offset = t * kArea;
+        if (t < 3) {
+          for (v1::Tensor* x : {sent.mutable_q(), sent.mutable_k(), sent.mutable_v()}) {
+            ASSERT_TRUE(client::MoveToSharedMemory(x, "tensors", **buffer, &offset).ok());
+          }
+        }
+        if (t < 2) {
+          v1::SharedMemoryRef& o = *sent.mutable_o_shared_memory();
+          o.set_region("tensors");
+          o.set_offset(static_cast<uint64_t>(client::SharedMemoryAlignUp(offset)));
+          o.set_byte_size(request.q().data().size());
+        }
+        v1::AttendResponse response;
+        const grpc::Status status = c.Attend(sent, &response);
+        absl::MutexLock lock(&mu);
+        if (!status.ok()) {
+          failures.push_back(absl::StrCat(id, ": ", status.error_message()));
+          continue;
+        }
+        if (t < 2) {
+          // O is in the region; the response says where and carries no bytes.
+          EXPECT_TRUE(response.o().data().empty()) << id;
+          EXPECT_EQ(response.o().shared_memory().offset(), sent.o_shared_memory().offset()) << id;
+          auto o = client::ReadSharedMemory(response.o().shared_memory(), **buffer);
+          ASSERT_TRUE(o.ok()) << o.status();
+          response.mutable_o()->clear_shared_memory();
+          response.mutable_o()->set_data(*o);
+        }
+        auto check = client::CheckAgainstReference(request, response);
+        if (!check.ok()) {
+          failures.push_back(absl::StrCat(id, ": ", check.status().ToString()));
+          continue;
+        }
+        ++ok;
+        max_batch = std::max(max_batch.load(), response.batch().requests());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  EXPECT_EQ(ok.load(), kThreads * kRequestsPerThread);
+  EXPECT_GT(max_batch.load(), 1) << "shared-memory requests never shared a batch";
+
+  // Unregistered: the same reference is now an error naming the field; the server stays up.
+  const grpc::Status unregistered = client::UnregisterSharedMemory(*c.stub, *c.factory, "tensors");
+  ASSERT_TRUE(unregistered.ok()) << unregistered.error_message();
+  v1::AttendRequest stale = client::MakeRandomRequest(
+      Shape(attn::DType::kF16, 1, 4, 4, 4, 2, 64, false, false, false), 1);
+  int64_t offset = 0;
+  ASSERT_TRUE(client::MoveToSharedMemory(stale.mutable_q(), "tensors", **buffer, &offset).ok());
+  v1::AttendResponse response;
+  grpc::Status status = c.Attend(stale, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(status.error_message(), "q.shared_memory.region"))
+      << status.error_message();
+  // Registering an object that does not exist, or a name twice.
+  v1::RegisterSharedMemoryRequest missing;
+  missing.set_name("missing");
+  missing.set_key("/attnserve-test-no-such-object");
+  missing.set_byte_size(64);
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(10));
+  v1::RegisterSharedMemoryResponse registered_response;
+  status = c.stub->RegisterSharedMemory(&context, missing, &registered_response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+TEST(ServerIntegration, SharedMemoryCanBeSwitchedOff) {
+  Connection c = Connect({"--shared_memory=false"});
+  EXPECT_FALSE(c.Info().shared_memory());
+  auto buffer = client::SharedMemoryBuffer::Create(4096);
+  ASSERT_TRUE(buffer.ok());
+  const grpc::Status status = client::RegisterSharedMemory(*c.stub, *c.factory, "r", **buffer);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 4, 4, 2, 2, 32, false, false, false), 2);
+  int64_t offset = 0;
+  ASSERT_TRUE(client::MoveToSharedMemory(request.mutable_v(), "r", **buffer, &offset).ok());
+  v1::AttendResponse response;
+  const grpc::Status attend = c.Attend(request, &response);
+  EXPECT_EQ(attend.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(attend.error_message(), "v.shared_memory"))
+      << attend.error_message();
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
@@ -689,6 +803,19 @@ TEST(ServerIntegration, CommandLineClientChecksAgainstTheReference) {
   const size_t ok_at = stream_json.find("\"ok\": ");
   ASSERT_NE(ok_at, std::string::npos) << stream_json;
   EXPECT_GT(std::atoi(stream_json.c_str() + ok_at + 6), 8) << stream_json;
+  // Tensors by reference from the command line: a checked request, and both closed loops.
+  EXPECT_EQ(std::system((base + " attend --check --shared_memory --dtype=f16 --heads=4 "
+                                "--seqlen_q=24 --seqlen_k=40 --count=2 >/dev/null")
+                            .c_str()),
+            0);
+  for (const char* rpc : {"unary", "stream"}) {
+    const std::string json = RunAndCapture(
+        absl::StrCat(base, " bench --shared_memory --rpc=", rpc,
+                     " --concurrency=1,4 --duration=300ms --seqlen_q=16 --seqlen_k=16 --heads=2 "
+                     "--json"));
+    EXPECT_NE(json.find("\"shared_memory\": true"), std::string::npos) << json;
+    EXPECT_EQ(json.find("\"errors\": {\""), std::string::npos) << json;
+  }
 }
 
 }  // namespace
