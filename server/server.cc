@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "attn/problem.h"
 #include "attn/status_macros.h"
@@ -247,7 +248,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   std::string engines;
   for (attn::EngineKind kind : kinds)
     absl::StrAppend(&engines, " ", std::string(attn::EngineKindName(kind)));
-  ATTN_LOG(kInfo) << "attnserve " << kVersion << " listening on port " << self->port_
+  ATTN_LOG(kInfo) << "attnserve " << kVersion << " listening on "
+                  << (absl::StartsWith(config.listen, "unix") ? config.listen
+                                                              : absl::StrCat("port ", self->port_))
                   << " (engines:" << engines << "; lanes: " << lane_count
                   << (config.tls_cert_file.empty() ? "; plaintext" : "; TLS")
                   << (config.auth_token.empty() ? "" : "; bearer token required") << ")";

@@ -72,8 +72,10 @@ SharedMemoryRegion::SharedMemoryRegion(std::string name, std::string key, void* 
 
 SharedMemoryRegion::~SharedMemoryRegion() { munmap(mapping_, mapping_bytes_); }
 
-absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
-    const std::string& name, const std::string& key, uint64_t offset, uint64_t byte_size) {
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(const std::string& name,
+                                                                            const std::string& key,
+                                                                            uint64_t offset,
+                                                                            uint64_t byte_size) {
   if (absl::Status s = CheckKey(key); !s.ok()) return s;
   if (byte_size == 0) return Invalid("byte_size", "must be positive");
   const int fd = shm_open(key.c_str(), O_RDWR, 0);
@@ -87,9 +89,21 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
   const uint64_t object_bytes = static_cast<uint64_t>(st.st_size);
   if (offset > object_bytes || byte_size > object_bytes - offset) {
     close(fd);
-    return Invalid("byte_size", absl::StrCat("offset ", offset, " + byte_size ", byte_size,
-                                             " runs past the end of '", key, "' (", object_bytes,
-                                             " bytes)"));
+    return Invalid("byte_size",
+                   absl::StrCat("offset ", offset, " + byte_size ", byte_size,
+                                " runs past the end of '", key, "' (", object_bytes, " bytes)"));
+  }
+  // Back every page of the range now (a no-op where the client already did): a page that is
+  // still a hole when a lane writes O into it would cost the server a SIGBUS once /dev/shm is
+  // full; this way a full /dev/shm is a clean RESOURCE_EXHAUSTED here instead.
+  if (const int error =
+          posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(byte_size));
+      error != 0) {
+    close(fd);
+    return error == ENOSPC ? absl::ResourceExhaustedError(
+                                 absl::StrCat("byte_size: no space in /dev/shm to back ", byte_size,
+                                              " bytes of '", key, "'"))
+                           : ErrnoStatus(error, absl::StrCat("key: cannot allocate '", key, "'"));
   }
   // mmap wants a page-aligned offset: map from the page holding `offset`.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -104,9 +118,9 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
   const int error = errno;
   close(fd);  // the mapping keeps the object alive
   if (mapping == MAP_FAILED) return ErrnoStatus(error, absl::StrCat("key: cannot map '", key, "'"));
-  return std::shared_ptr<SharedMemoryRegion>(new SharedMemoryRegion(
-      name, key, mapping, static_cast<size_t>(mapping_bytes),
-      static_cast<std::byte*>(mapping) + (offset - aligned), byte_size));
+  return std::shared_ptr<SharedMemoryRegion>(
+      new SharedMemoryRegion(name, key, mapping, static_cast<size_t>(mapping_bytes),
+                             static_cast<std::byte*>(mapping) + (offset - aligned), byte_size));
 }
 
 absl::Status SharedMemoryRegistry::Register(const v1::RegisterSharedMemoryRequest& request) {
@@ -169,10 +183,10 @@ absl::StatusOr<SharedMemorySpan> SharedMemoryRegistry::Resolve(const v1::SharedM
                    absl::StrCat(ref.byte_size(), ", expected ", expected_bytes));
   }
   if (ref.offset() > region->size() || ref.byte_size() > region->size() - ref.offset()) {
-    return Invalid(absl::StrCat(field, ".offset"),
-                   absl::StrCat("offset ", ref.offset(), " + byte_size ", ref.byte_size(),
-                                " runs past region '", ref.region(), "' (", region->size(),
-                                " bytes)"));
+    return Invalid(
+        absl::StrCat(field, ".offset"),
+        absl::StrCat("offset ", ref.offset(), " + byte_size ", ref.byte_size(),
+                     " runs past region '", ref.region(), "' (", region->size(), " bytes)"));
   }
   SharedMemorySpan span;
   span.data = region->data() + ref.offset();
@@ -195,8 +209,8 @@ uint64_t SharedMemoryRegistry::mapped_bytes() const {
 bool IsSameHostPeer(const std::string& peer) {
   if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:")) return true;
   if (absl::StartsWith(peer, "ipv4:127.")) return true;
-  for (const char* loopback : {"ipv6:[::1]:", "ipv6:%5B::1%5D:", "ipv6:[::ffff:127.",
-                               "ipv6:%5B::ffff:127."}) {
+  for (const char* loopback :
+       {"ipv6:[::1]:", "ipv6:%5B::1%5D:", "ipv6:[::ffff:127.", "ipv6:%5B::ffff:127."}) {
     if (absl::StartsWith(peer, loopback)) return true;
   }
   return false;

@@ -19,6 +19,11 @@
 #   nommap     the large set with glibc's mmap for big allocations off (GLIBC_TUNABLES), both
 #              sides: 32 MiB+ tensors then reuse heap pages instead of faulting in fresh ones
 #   tunedlarge the large set with the `tuned` arguments
+#   unix       small set over a unix socket instead of TCP loopback
+#   shm        small set, tensors in shared memory (client --shared_memory), TCP loopback
+#   shmunix    the same over a unix socket
+#   shmwide    `wide` with tensors in shared memory
+#   shmlarge   the large set with tensors in shared memory (needs ~0.5 GiB of /dev/shm)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:?set OUT}
@@ -35,6 +40,7 @@ tuned="$window,grpc.http2.max_frame_size=1048576,grpc.experimental.tcp_min_read_
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   lscpu | grep -E '^Model name|^CPU\(s\)|^Thread|^Core' || true
+  df -h /dev/shm | tail -1
 } | tee "$work/machine.txt"
 
 bench() {  # bench NAME ENV...
@@ -63,6 +69,12 @@ for run in "${run_list[@]}"; do
     nommap) bench nommap SETS=large LARGE_LEVELS=1,8 GLIBC_TUNABLES=glibc.malloc.mmap_max=0 ;;
     tunedlarge) bench tunedlarge SETS=large LARGE_LEVELS=1,8 SERVER_ARGS="--grpc_arg=$tuned" \
                   CLIENT_ARGS="--grpc_arg=$tuned" ;;
+    unix) bench unix SETS=small LISTEN=unix ;;
+    shm) bench shm SETS=small CLIENT_ARGS=--shared_memory ;;
+    shmunix) bench shmunix SETS=small LISTEN=unix CLIENT_ARGS=--shared_memory ;;
+    shmwide) bench shmwide SETS=small SMALL_LEVELS=64 RPCS=stream STREAMS=32 CHANNELS=16 \
+               CLIENT_ARGS=--shared_memory ;;
+    shmlarge) bench shmlarge SETS=large LARGE_LEVELS=1,8 CLIENT_ARGS=--shared_memory ;;
     *) echo "unknown run $run" ;;
   esac
 done

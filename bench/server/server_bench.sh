@@ -33,9 +33,11 @@
 #   SERVER_ARGS      extra server flags for every run; ON_ARGS / OFF_ARGS for one mode
 #   CLIENT_ARGS      extra flags for every client run (e.g. --grpc_arg=...)
 #   LEVEL_TIMEOUT    hard limit in seconds on one client run (default 120)
+#   LISTEN           tcp (default: 127.0.0.1, an ephemeral port) or unix (a socket in $OUT)
+#   (CLIENT_ARGS=--shared_memory sends the tensors through a registered shared-memory region)
 #
 # Every run is bounded (`timeout` on the client, SIGTERM then SIGKILL on the server), listens on
-# 127.0.0.1 only, and the server is killed on exit whatever happens.
+# 127.0.0.1 (or a unix socket) only, and the server is killed on exit whatever happens.
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,6 +55,7 @@ channels=${CHANNELS:-4}
 level_timeout=${LEVEL_TIMEOUT:-120}
 engine=${ENGINE:-auto}
 metrics_address=${METRICS_ADDRESS:-}
+listen=${LISTEN:-tcp}
 mkdir -p "$out"
 jsonl="$out/server-bench.jsonl"
 : >"$jsonl"
@@ -82,7 +85,9 @@ start_server() {
   shift
   local port_file="$out/port.$$"
   rm -f "$port_file"
-  "$server" --listen=127.0.0.1:0 --port_file="$port_file" --engine="$engine" --drain_timeout=5s \
+  local address=127.0.0.1:0
+  [[ $listen == unix ]] && address="unix:$out/attnserve.sock" && rm -f "$out/attnserve.sock"
+  "$server" --listen="$address" --port_file="$port_file" --engine="$engine" --drain_timeout=5s \
     --metrics_address="$metrics_address" "$@" >"$log" 2>&1 &
   server_pid=$!
   for _ in $(seq 150); do
@@ -125,6 +130,7 @@ for set in "${set_list[@]}"; do
     log="$out/server-$set-$mode.log"
     start_server "$log" "${server_args[@]}" || exit 1
     target="127.0.0.1:$port"
+    [[ $listen == unix ]] && target="unix:$out/attnserve.sock"
     info=$("$client" info --target="$target" --json --timeout=10s 2>&1)
     echo "-- $set, batching $mode: server ${server_args[*]:-(defaults)} on $target"
     IFS=, read -r -a level_list <<<"$levels"
@@ -144,9 +150,9 @@ for set in "${set_list[@]}"; do
           >"$out/cpu-$tag.json" 2>/dev/null || echo '{}' >"$out/cpu-$tag.json"
         [[ $rc -eq 0 ]] || echo "server_bench: client exit $rc ($tag), see $out/bench-$tag.err" >&2
         python3 - "$bench_json" "$set" "$mode" "${server_args[*]}" "$info" "${shape[*]}" \
-          "$out/cpu-$tag.json" "${client_args[*]}" >>"$jsonl" <<'PY'
+          "$out/cpu-$tag.json" "${client_args[*]}" "$listen" >>"$jsonl" <<'PY'
 import json, sys
-path, set_, mode, args, info, shape, cpu, client_args = sys.argv[1:9]
+path, set_, mode, args, info, shape, cpu, client_args, listen = sys.argv[1:10]
 try:
     rows = json.load(open(path))
 except Exception as e:
@@ -170,7 +176,7 @@ for r in rows:
         "request_bytes": 3 * n * h * d * es, "response_bytes": n * h * d * es,
         "gpu": info.get("gpu", False), "engines": info.get("engines", []),
         "server_cpu_s": cpu.get("total_s"), "server_threads_cpu_s": cpu.get("threads", {}),
-        "client_args": client_args,
+        "client_args": client_args, "listen": listen,
     })
     print(json.dumps(r))
 PY

@@ -44,8 +44,8 @@ class SharedMemoryBuffer {
 // mapped nothing needs the name, and nothing is left behind in /dev/shm if either side dies.
 grpc::Status RegisterSharedMemory(v1::AttentionService::Stub& stub, const ChannelFactory& factory,
                                   const std::string& name, SharedMemoryBuffer& buffer);
-grpc::Status UnregisterSharedMemory(v1::AttentionService::Stub& stub,
-                                    const ChannelFactory& factory, const std::string& name);
+grpc::Status UnregisterSharedMemory(v1::AttentionService::Stub& stub, const ChannelFactory& factory,
+                                    const std::string& name);
 
 // Offsets are rounded up to this, so every tensor starts suitably aligned.
 constexpr int64_t kSharedMemoryAlign = 256;

@@ -4,8 +4,9 @@
 Starts the server on an ephemeral loopback port (CPU engine), sends forward and backward requests
 through attnserve_client.Client and checks every answer against a float64 numpy reference of
 attention and of its gradients: float32 / float16 / bfloat16, dense and variable-length, GQA,
-causal (bottom-right) and a sliding window. Also checks GetServerInfo and that a malformed request
-raises INVALID_ARGUMENT naming the field. Exits 77 (skipped) without grpcio, protobuf or numpy.
+causal (bottom-right) and a sliding window, also with the tensors in a registered shared-memory
+region. Also checks GetServerInfo and that a malformed request raises INVALID_ARGUMENT naming the
+field. Exits 77 (skipped) without grpcio, protobuf or numpy.
 
     python_client_test.py PATH/TO/attnserve   (PYTHONPATH: clients/python and the generated code)
 """
@@ -19,6 +20,7 @@ import time
 try:
     import grpc
     import numpy as np
+    from attnserve.v1 import attention_pb2 as pb
     from attnserve_client import Client
 except ImportError as e:  # Debian: apt-get install python3-grpcio python3-protobuf python3-numpy
     print(f"skipped: {e}")
@@ -198,6 +200,36 @@ def main():
                 print("stream malformed:", e)
                 if "INVALID_ARGUMENT" not in str(e):
                     failures.append("stream: malformed request's code")
+
+            # Tensors by reference through a registered shared-memory region: forward (O comes
+            # back through the region) and backward (inputs only), checked like the rest.
+            with c.shared_memory(1 << 20) as region:
+                for dtype in ("float16", "bfloat16"):
+                    q = rounded(rng.uniform(-1, 1, (2, 21, 4, 64)), dtype)
+                    k = rounded(rng.uniform(-1, 1, (2, 30, 2, 64)), dtype)
+                    v = rounded(rng.uniform(-1, 1, (2, 30, 2, 64)), dtype)
+                    d_o = rounded(rng.uniform(-1, 1, (2, 21, 4, 64)), dtype)
+                    send_dtype = dtype if dtype == "bfloat16" else None
+                    cast = (lambda x: x.astype(np.float16)) if dtype == "float16" else (lambda x: x)
+                    want_o, _, dq_ref, dk_ref, dv_ref = reference(q, k, v, d_o, causal=True)
+                    o = c.attend(cast(q), cast(k), cast(v), causal=True, dtype=send_dtype,
+                                 shared_memory=region)
+                    if c.last_response.o.data or not c.last_response.o.HasField("shared_memory"):
+                        failures.append(f"shm {dtype}: O came back in the message")
+                    check(f"shm o {dtype}", o, want_o, TOLERANCE[dtype], failures)
+                    dq, dk, dv = c.backward(cast(q), cast(k), cast(v), cast(d_o), causal=True,
+                                            dtype=send_dtype, shared_memory=region)
+                    for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref),
+                                            ("dv", dv, dv_ref)):
+                        check(f"shm {name} {dtype}", got, want, GRAD_TOLERANCE[dtype], failures)
+                if c.info()["stats"].get("requests_failed"):
+                    failures.append("shm: failed requests")
+            try:  # unregistered on close: its name is unknown now
+                c._call(c._unregister, pb.UnregisterSharedMemoryRequest(name=region.name))
+                failures.append("shm: region still registered after close")
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    failures.append(f"shm: unregister after close: {e.code().name}")
 
             # A malformed request raises with the server's field-named message.
             q = rng.uniform(-1, 1, (1, 8, 2, 16)).astype(np.float32)

@@ -6,6 +6,7 @@
 #   - every listed device took batches (its device pool was used) and reports cudaMemGetInfo
 #     gauges;
 #   - compute time was measured for the fused path (CUDA events on the lanes' streams);
+#   - tensors sent by reference to shared memory come back right, and under load;
 #   - SIGTERM drains and the server exits 0.
 #
 # Usage (GPU machine, programs from a gpu-bundle on PATH):
@@ -65,6 +66,13 @@ check "bf16 varlen-sized causal GQA requests match the reference" \
 check "fp16 d=64 requests match the reference" \
   timeout 120 "${client}" attend --target="${target}" --check --dtype=float16 --batch=2 \
   --seqlen_q=300 --seqlen_k=700 --heads=8 --head_dim=64 --count=4
+check "fp16 requests with tensors in shared memory match the reference" \
+  timeout 120 "${client}" attend --target="${target}" --check --shared_memory --dtype=float16 \
+  --batch=2 --seqlen_q=64 --seqlen_k=200 --heads=8 --kv_heads=2 --head_dim=128 --count=3
+check "shared-memory load over AttendStream: no request failed" \
+  bash -c "timeout 60 '${client}' bench --target='${target}' --shared_memory --rpc=stream \
+    --dtype=float16 --seqlen_q=64 --seqlen_k=64 --heads=8 --head_dim=64 --concurrency=32 \
+    --duration=2s --json | tee '${out}/bench-shm.json' | grep -q '\"errors\": {}'"
 check "load: 32 concurrent clients for 3 s" \
   timeout 60 "${client}" bench --target="${target}" --dtype=float16 --seqlen_q=256 \
   --seqlen_k=256 --heads=8 --head_dim=64 --concurrency=32 --duration=3s --json \

@@ -166,8 +166,8 @@ TEST(RequestDecoderSharedMemory, TensorsResolveIntoTheRegion) {
   for (v1::Tensor* t : {r.mutable_q(), r.mutable_k(), r.mutable_v()}) {
     ASSERT_TRUE(client::MoveToSharedMemory(t, "r", **buffer, &offset).ok());
   }
-  *r.mutable_o_shared_memory() = Ref("r", static_cast<uint64_t>(client::SharedMemoryAlignUp(offset)),
-                                     q_bytes.size());
+  *r.mutable_o_shared_memory() =
+      Ref("r", static_cast<uint64_t>(client::SharedMemoryAlignUp(offset)), q_bytes.size());
   SharedMemoryRegistry registry;
   ASSERT_TRUE(registry.Register(Registration("r", (*buffer)->key(), 0, 64 << 10)).ok());
 
@@ -186,8 +186,8 @@ TEST(RequestDecoderSharedMemory, TensorsResolveIntoTheRegion) {
   // Bytes in both places.
   v1::AttendRequest both = r;
   both.mutable_k()->set_data("xx");
-  ExpectError(DecodeAttendRequest(both, {}, &registry).status(),
-              absl::StatusCode::kInvalidArgument, "k.data");
+  ExpectError(DecodeAttendRequest(both, {}, &registry).status(), absl::StatusCode::kInvalidArgument,
+              "k.data");
   // A wrong size for O, an unknown region for V.
   v1::AttendRequest bad_o = r;
   bad_o.mutable_o_shared_memory()->set_byte_size(q_bytes.size() - 2);
@@ -234,7 +234,8 @@ TEST(ClientSharedMemoryBuffer, CreateMoveRead) {
   const std::string key = (*buffer)->key();
   (*buffer)->Unlink();
   SharedMemoryRegistry registry;
-  EXPECT_EQ(registry.Register(Registration("gone", key, 0, 16)).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Register(Registration("gone", key, 0, 16)).code(),
+            absl::StatusCode::kNotFound);
   (*buffer)->data()[999] = std::byte{1};
 }
 

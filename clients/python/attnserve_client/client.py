@@ -1,4 +1,8 @@
 """The Client class and the numpy <-> Tensor conversions (see the package docstring)."""
+import itertools
+import os
+from multiprocessing import shared_memory as _shm
+
 import grpc
 import numpy as np
 from google.protobuf import json_format
@@ -48,6 +52,71 @@ def from_tensor(t):
     raise ValueError(f"tensor dtype {t.dtype} is not float32, float16 or bfloat16")
 
 
+_ALIGN = 256
+_region_ids = itertools.count()
+
+
+class SharedMemoryRegion:
+    """A POSIX shared-memory object registered with the server (Client.shared_memory): requests
+    given it send their tensors by reference and get O back through it, instead of moving the
+    bytes through gRPC. Same host only. One request at a time uses a region (each call lays its
+    tensors out from the start); close() unregisters it."""
+
+    def __init__(self, client, size, name=None):
+        self._client = client
+        self.name = name or f"py-{os.getpid()}-{next(_region_ids)}"
+        self.size = size
+        self._shm = _shm.SharedMemory(create=True, size=size)
+        try:
+            client._call(client._register, pb.RegisterSharedMemoryRequest(
+                name=self.name, key="/" + self._shm.name, offset=0, byte_size=size))
+        except BaseException:
+            self._shm.close()
+            self._shm.unlink()
+            raise
+        # Both sides have it mapped: the name is no longer needed, and nothing stays behind in
+        # /dev/shm whichever side goes away first.
+        self._shm.unlink()
+        self._next = 0
+
+    def _reset(self):
+        self._next = 0
+
+    def _take(self, nbytes):
+        at = -(-self._next // _ALIGN) * _ALIGN
+        if at + nbytes > self.size:
+            raise ValueError(f"shared memory: {nbytes} bytes at offset {at} do not fit in region "
+                             f"'{self.name}' of {self.size} bytes")
+        self._next = at + nbytes
+        return pb.SharedMemoryRef(region=self.name, offset=at, byte_size=nbytes)
+
+    def _place(self, tensor):
+        """Moves a Tensor's bytes into the region; the Tensor then refers to them."""
+        ref = self._take(len(tensor.data))
+        self._shm.buf[ref.offset:ref.offset + ref.byte_size] = tensor.data
+        tensor.ClearField("data")
+        tensor.shared_memory.CopyFrom(ref)
+
+    def _read(self, ref):
+        return bytes(self._shm.buf[ref.offset:ref.offset + ref.byte_size])
+
+    def close(self):
+        if self._shm is None:
+            return
+        try:
+            self._client._call(self._client._unregister,
+                               pb.UnregisterSharedMemoryRequest(name=self.name))
+        finally:
+            self._shm.close()
+            self._shm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class Client:
     """One channel to an attnserve server. target: "host:port" (or "unix:/path").
     root_certificates (PEM bytes) turns on TLS; token adds "authorization: Bearer <token>"."""
@@ -67,6 +136,11 @@ class Client:
         self._backward = self._method("AttendBackward", pb.AttendBackwardRequest,
                                       pb.AttendBackwardResponse)
         self._info = self._method("GetServerInfo", pb.GetServerInfoRequest, pb.ServerInfo)
+        self._register = self._method("RegisterSharedMemory", pb.RegisterSharedMemoryRequest,
+                                      pb.RegisterSharedMemoryResponse)
+        self._unregister = self._method("UnregisterSharedMemory",
+                                        pb.UnregisterSharedMemoryRequest,
+                                        pb.UnregisterSharedMemoryResponse)
         self._stream = self._channel.stream_stream(
             _SERVICE + "AttendStream", request_serializer=pb.AttendRequest.SerializeToString,
             response_deserializer=pb.AttendResponse.FromString)
@@ -93,6 +167,11 @@ class Client:
         return json_format.MessageToDict(self._call(self._info, pb.GetServerInfoRequest()),
                                          preserving_proto_field_name=True)
 
+    def shared_memory(self, size, name=None):
+        """A SharedMemoryRegion of `size` bytes registered with the server (use it as a context
+        manager, or close() it): pass it as attend(..., shared_memory=region) or backward(...)."""
+        return SharedMemoryRegion(self, size, name)
+
     def _request(self, q, k, v, *, causal=False, window_left=None, window_right=None, scale=None,
                  cu_seqlens_q=None, cu_seqlens_k=None, path="auto", dtype=None, request_id=""):
         r = pb.AttendRequest(request_id=request_id, q=to_tensor(q, dtype), k=to_tensor(k, dtype),
@@ -110,25 +189,36 @@ class Client:
 
     def attend(self, q, k, v, *, causal=False, window_left=None, window_right=None, scale=None,
                cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False, path="auto", dtype=None,
-               request_id=""):
+               request_id="", shared_memory=None):
         """O (dtype and shape of q; float32 for bfloat16), and with return_lse the float32 LSE
         [heads, total_q] as a second value. The response's timing and batch are on
-        self.last_response."""
+        self.last_response. shared_memory: a SharedMemoryRegion for Q, K, V and O."""
         request = self._request(q, k, v, causal=causal, window_left=window_left,
                                 window_right=window_right, scale=scale,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, path=path,
                                 dtype=dtype, request_id=request_id)
         request.return_lse = return_lse
+        if shared_memory is not None:
+            shared_memory._reset()
+            o_bytes = len(request.q.data)
+            for t in (request.q, request.k, request.v):
+                shared_memory._place(t)
+            request.o_shared_memory.CopyFrom(shared_memory._take(o_bytes))
         response = self._call(self._attend, request)
         self.last_response = response
-        o = from_tensor(response.o)
+        o_tensor = response.o
+        if o_tensor.HasField("shared_memory"):  # O is in the region; the response says where
+            o_tensor = pb.Tensor(dtype=o_tensor.dtype, shape=o_tensor.shape,
+                                 data=shared_memory._read(o_tensor.shared_memory))
+        o = from_tensor(o_tensor)
         return (o, from_tensor(response.lse)) if return_lse else o
 
     def backward(self, q, k, v, d_o, *, o=None, lse=None, causal=False, window_left=None,
                  window_right=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 path="auto", dtype=None, request_id=""):
+                 path="auto", dtype=None, request_id="", shared_memory=None):
         """dQ, dK, dV of the attention of (q, k, v) for the upstream gradient d_o. o and lse,
-        from a forward call with return_lse, save the server a forward pass."""
+        from a forward call with return_lse, save the server a forward pass. shared_memory: a
+        SharedMemoryRegion for the inputs (the gradients come back in the response)."""
         if (o is None) != (lse is None):
             raise ValueError("o and lse: pass both (the forward's outputs) or neither")
         request = pb.AttendBackwardRequest(
@@ -140,6 +230,12 @@ class Client:
         if o is not None:
             request.o.CopyFrom(to_tensor(o, dtype))
             request.lse.CopyFrom(to_tensor(np.asarray(lse, dtype=np.float32), "float32"))
+        if shared_memory is not None:
+            shared_memory._reset()
+            f = request.forward
+            for t in (f.q, f.k, f.v, request.d_o) + ((request.o, request.lse) if o is not None
+                                                     else ()):
+                shared_memory._place(t)
         response = self._call(self._backward, request)
         self.last_response = response
         return from_tensor(response.d_q), from_tensor(response.d_k), from_tensor(response.d_v)
