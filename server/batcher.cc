@@ -18,7 +18,7 @@ constexpr int64_t kAlign = 256;
 constexpr absl::Duration kMemorySampleInterval = absl::Milliseconds(100);
 // Below this many bytes a batch's copies run on the lane thread alone: waking helpers costs more
 // than copying a few hundred KiB. Above it, copies are split into chunks over the lane's threads.
-constexpr int64_t kParallelCopyBytes = int64_t{4} << 20;
+constexpr int64_t kParallelCopyBytes = int64_t{1} << 20;
 constexpr int64_t kCopyChunkBytes = int64_t{1} << 20;
 
 int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -106,13 +106,50 @@ struct Batcher::Launched {
   std::optional<absl::Duration> kernel;  // the engine call, when the pool could time it
 };
 
+Batcher::Completions::Completions(const std::string& name) : thread_([this] { Loop(); }) {
+  pthread_setname_np(thread_.native_handle(), name.substr(0, 15).c_str());
+}
+
+Batcher::Completions::~Completions() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+void Batcher::Completions::Post(std::function<void()> work) {
+  absl::MutexLock lock(&mu_);
+  work_.push_back(std::move(work));
+}
+
+void Batcher::Completions::Loop() {
+  while (true) {
+    std::function<void()> work;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Completions* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
+            return c->stopping_ || !c->work_.empty();
+          },
+          this));
+      if (work_.empty()) return;  // stopping, and everything posted has run
+      work = std::move(work_.front());
+      work_.pop_front();
+    }
+    work();
+  }
+}
+
 Batcher::Batcher(const Options& options, std::vector<Lane> lanes, Metrics* metrics)
     : options_(options), metrics_(metrics), lanes_(std::move(lanes)) {
   threads_.reserve(lanes_.size());
   for (size_t i = 0; i < lanes_.size(); ++i) {
     helpers_.push_back(std::make_unique<attn::cpu::ThreadPool>(std::max(1, options_.lane_threads),
                                                                absl::StrCat("attn-copy", i)));
-    threads_.emplace_back([this, i] { LaneLoop(&lanes_[i], helpers_[i].get()); });
+    completions_.push_back(std::make_unique<Completions>(absl::StrCat("attn-done-", i)));
+    threads_.emplace_back(
+        [this, i] { LaneLoop(&lanes_[i], helpers_[i].get(), completions_[i].get()); });
     pthread_setname_np(threads_.back().native_handle(), absl::StrCat("attn-lane-", i).c_str());
   }
 }
@@ -139,9 +176,15 @@ void Batcher::Stop() {
     joined_ = true;
   }
   for (std::thread& t : threads_) t.join();
+  completions_.clear();  // each runs what its lane posted, then joins
 }
 
 bool Batcher::HasWorkOrStopping() const { return stopping_ || !queue_.empty(); }
+
+bool Batcher::HasQueuedWork() const {
+  absl::MutexLock lock(&mu_);
+  return !queue_.empty();
+}
 
 bool Batcher::FrontBatchFull() const {
   if (stopping_ || queue_.empty()) return true;
@@ -186,7 +229,7 @@ Batcher::Batch Batcher::TakeBatch() {
   return batch;
 }
 
-void Batcher::LaneLoop(Lane* lane, attn::cpu::ThreadPool* helpers) {
+void Batcher::LaneLoop(Lane* lane, attn::cpu::ThreadPool* helpers, Completions* completions) {
   while (true) {
     Batch batch;
     {
@@ -203,11 +246,12 @@ void Batcher::LaneLoop(Lane* lane, attn::cpu::ThreadPool* helpers) {
       }
       batch = TakeBatch();
     }
-    RunBatch(*lane, *helpers, std::move(batch));
+    RunBatch(*lane, *helpers, *completions, std::move(batch));
   }
 }
 
-void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch) {
+void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& completions,
+                       Batch batch) {
   const absl::Time now = absl::Now();
   Batch live;
   for (auto& item : batch) {
@@ -257,9 +301,19 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Batch batch) 
     for (size_t i = 0; i < live.size(); ++i) FillResponse(launched, *live[i], q_first[i], &copies);
     RunCopies(helpers, copies);
   }
-  for (auto& item : live) {
-    metrics_->OnFinished(item->method, status, now - item->accepted, end - item->accepted);
-    item->done(status);
+  auto finished = std::make_shared<Batch>(std::move(live));
+  auto finish = [this, finished, status, now, end] {
+    for (auto& item : *finished) {
+      metrics_->OnFinished(item->method, status, now - item->accepted, end - item->accepted);
+      item->done(status);
+    }
+    finished->clear();  // the items (and the shared-memory regions they hold) go here
+  };
+  // With work waiting, the lane goes on to it and its completion thread answers these.
+  if (HasQueuedWork()) {
+    completions.Post(std::move(finish));
+  } else {
+    finish();
   }
 }
 
