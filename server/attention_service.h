@@ -27,7 +27,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   struct Options {
     std::string auth_token;  // empty: no authentication
     DecodeLimits limits;
-    bool shared_memory = true;  // RegisterSharedMemory for same-host peers
+    bool shared_memory = true;                // RegisterSharedMemory for same-host peers
+    HostMemoryPinning shared_memory_pinning;  // GPU servers: page-lock regions
   };
 
   // `probes` hold one instance per engine the lanes run, in the same order (AUTO's preference);

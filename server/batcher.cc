@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -104,6 +105,7 @@ struct Batcher::Launched {
   int64_t tokens = 0;
   absl::Time started, computed;
   std::optional<absl::Duration> kernel;  // the engine call, when the pool could time it
+  std::vector<bool> o_direct;            // per request: O already copied to its shared-memory range
 };
 
 Batcher::Completions::Completions(const std::string& name) : thread_([this] { Loop(); }) {
@@ -129,9 +131,8 @@ void Batcher::Completions::Loop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](Completions* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
-            return c->stopping_ || !c->work_.empty();
-          },
+          +[](Completions* c)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) { return c->stopping_ || !c->work_.empty(); },
           this));
       if (work_.empty()) return;  // stopping, and everything posted has run
       work = std::move(work_.front());
@@ -298,7 +299,9 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& 
   if (status.ok()) {
     // Every O leaves the staging region before the next batch reuses it.
     std::vector<CopyTask> copies;
-    for (size_t i = 0; i < live.size(); ++i) FillResponse(launched, *live[i], q_first[i], &copies);
+    for (size_t i = 0; i < live.size(); ++i) {
+      FillResponse(launched, *live[i], q_first[i], launched.o_direct[i], &copies);
+    }
     RunCopies(helpers, copies);
   }
   auto finished = std::make_shared<Batch>(std::move(live));
@@ -337,7 +340,7 @@ void Batcher::RunCopies(attn::cpu::ThreadPool& helpers, const std::vector<CopyTa
 }
 
 void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first,
-                           std::vector<CopyTask>* copies) {
+                           bool o_written, std::vector<CopyTask>* copies) {
   const attn::AttentionProblem& p = launched.problem;
   const DecodedRequest& r = item.request;
   const int64_t nq = r.problem.total_q();
@@ -347,7 +350,7 @@ void Batcher::FillResponse(const Launched& launched, const WorkItem& item, int64
   o.set_dtype(ToProtoDType(p.dtype));
   for (int64_t d : r.o_shape) o.add_shape(d);
   if (r.o_out_ref != nullptr) *o.mutable_shared_memory() = *r.o_out_ref;
-  if (launched.o != nullptr && nq > 0) {
+  if (launched.o != nullptr && nq > 0 && !o_written) {
     std::byte* dst = r.o_out;
     if (dst == nullptr) {
       std::string* data = o.mutable_data();
@@ -433,22 +436,37 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
       in_place_o = data->data();
     }
   } else {
-    // Each request's Q, K and V go to their rows of the packed tensors.
+    // Each request's Q, K and V go to their rows of the packed tensors: packed into the staging
+    // region, except that tensors in page-locked shared memory go straight to the device.
     std::vector<CopyTask> copies;
+    std::vector<CopyTask> direct;  // dst: offset into the device region
     int64_t q_at = q_off, k_at = k_off, v_at = v_off;
     for (const auto& item : batch) {
       const DecodedRequest& r = item->request;
       const int64_t qb = r.problem.total_q() * q_row, kb = r.problem.total_k() * kv_row;
-      if (qb > 0) copies.push_back({host + q_at, reinterpret_cast<const std::byte*>(r.q), qb});
-      if (kb > 0) copies.push_back({host + k_at, reinterpret_cast<const std::byte*>(r.k), kb});
-      if (kb > 0) copies.push_back({host + v_at, reinterpret_cast<const std::byte*>(r.v), kb});
+      for (const auto& [src, at, bytes] :
+           {std::tuple{r.q, q_at, qb}, std::tuple{r.k, k_at, kb}, std::tuple{r.v, v_at, kb}}) {
+        if (bytes == 0) continue;
+        const auto* from = reinterpret_cast<const std::byte*>(src);
+        if (device_pool && r.InPinnedRegion(src, bytes)) {
+          direct.push_back({reinterpret_cast<std::byte*>(at), from, bytes});
+        } else {
+          copies.push_back({host + at, from, bytes});
+        }
+      }
       q_at += qb;
       k_at += kb;
       v_at += kb;
     }
     RunCopies(helpers, copies);
+    // The packed range in one copy; the direct copies follow it on the same stream, so they
+    // land last wherever the range covered their rows too.
+    if (!copies.empty() || direct.empty()) ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_off));
+    for (const CopyTask& c : direct) {
+      ATTN_RETURN_IF_ERROR(
+          pool->CopyToDeviceFrom(c.src, reinterpret_cast<int64_t>(c.dst), c.bytes));
+    }
   }
-  ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_off));
 
   std::byte* dev = pool->device();
   attn::ForwardArgs args;
@@ -469,7 +487,27 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   ATTN_RETURN_IF_ERROR(pool->StartComputeTimer());
   ATTN_RETURN_IF_ERROR(engine.Forward(p, args));
   ATTN_RETURN_IF_ERROR(pool->StopComputeTimer());
-  ATTN_RETURN_IF_ERROR(pool->CopyToHost(o_off, end - o_off));
+  // O rows bound for page-locked shared memory go there directly; the rest (and the LSE) come
+  // back to the staging region.
+  launched->o_direct.assign(batch.size(), false);
+  bool all_direct = device_pool;
+  int64_t q_at = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const DecodedRequest& r = batch[i]->request;
+    const int64_t bytes = r.problem.total_q() * q_row;
+    if (device_pool && r.o_out != nullptr && r.InPinnedRegion(r.o_out, bytes)) {
+      ATTN_RETURN_IF_ERROR(pool->CopyToHostInto(r.o_out, o_off + q_at, bytes));
+      launched->o_direct[i] = true;
+    } else {
+      all_direct = false;
+    }
+    q_at += bytes;
+  }
+  if (all_direct) {
+    ATTN_RETURN_IF_ERROR(pool->CopyToHost(lse_off, end - lse_off));
+  } else {
+    ATTN_RETURN_IF_ERROR(pool->CopyToHost(o_off, end - o_off));
+  }
   ATTN_RETURN_IF_ERROR(pool->Synchronize());
   launched->computed = absl::Now();
 

@@ -122,8 +122,7 @@ class Batcher {
   bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FrontBatchFull() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& completions,
-                Batch batch);
+  void RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& completions, Batch batch);
   bool HasQueuedWork() const;
   absl::Status Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const Batch& batch,
                        Launched* launched);
@@ -131,9 +130,10 @@ class Batcher {
   // sent no O and LSE, then the backward pass; fills the response.
   absl::Status ExecuteBackward(Lane& lane, attn::cpu::ThreadPool& helpers, WorkItem& item,
                                absl::Time started);
-  // Fills the request's response; its O rows are left to copy from the staging region as a task.
+  // Fills the request's response; its O rows are left to copy from the staging region as a task
+  // unless `o_written` (already copied to its shared-memory range by the device).
   static void FillResponse(const Launched& launched, const WorkItem& item, int64_t q_first,
-                           std::vector<CopyTask>* copies);
+                           bool o_written, std::vector<CopyTask>* copies);
   // The copies, on the lane thread alone when small, else in chunks over the lane's threads.
   static void RunCopies(attn::cpu::ThreadPool& helpers, const std::vector<CopyTask>& copies);
 

@@ -233,6 +233,57 @@ absl::Status DevicePool::CopyToHost(int64_t offset, int64_t bytes) {
 #endif
 }
 
+absl::Status DevicePool::CopyToDeviceFrom(const void* src, int64_t offset, int64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  if (space_ != attn::MemorySpace::kDevice) {
+    return absl::InternalError("device pool: CopyToDeviceFrom on a host pool");
+  }
+  return CudaCheck(cudaMemcpyAsync(device_ + offset, src, bytes, cudaMemcpyHostToDevice,
+                                   static_cast<cudaStream_t>(stream_)),
+                   "cudaMemcpyAsync(pinned host to device)");
+#else
+  (void)src;
+  (void)offset;
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::CopyToHostInto(void* dst, int64_t offset, int64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  if (space_ != attn::MemorySpace::kDevice) {
+    return absl::InternalError("device pool: CopyToHostInto on a host pool");
+  }
+  return CudaCheck(cudaMemcpyAsync(dst, device_ + offset, bytes, cudaMemcpyDeviceToHost,
+                                   static_cast<cudaStream_t>(stream_)),
+                   "cudaMemcpyAsync(device to pinned host)");
+#else
+  (void)dst;
+  (void)offset;
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::PinHostMemory(void* p, int64_t bytes) {
+#if defined(ATTN_HAVE_CUDA)
+  return CudaCheck(cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterPortable),
+                   "cudaHostRegister");
+#else
+  (void)p;
+  (void)bytes;
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+void DevicePool::UnpinHostMemory(void* p) {
+#if defined(ATTN_HAVE_CUDA)
+  cudaHostUnregister(p);
+#else
+  (void)p;
+#endif
+}
+
 absl::Status DevicePool::Synchronize() {
   if (space_ != attn::MemorySpace::kDevice) return absl::OkStatus();
 #if defined(ATTN_HAVE_CUDA)

@@ -66,6 +66,16 @@ class DevicePool {
   // Asynchronous on stream(); no-ops for host engines.
   absl::Status CopyToDevice(int64_t offset, int64_t bytes);
   absl::Status CopyToHost(int64_t offset, int64_t bytes);
+  // The same between the device region and host memory outside the staging region, which must
+  // be page-locked (PinHostMemory) for the copy to be asynchronous. Device pools only.
+  absl::Status CopyToDeviceFrom(const void* src, int64_t offset, int64_t bytes);
+  absl::Status CopyToHostInto(void* dst, int64_t offset, int64_t bytes);
+
+  // Page-locks host memory for every device (cudaHostRegister, portable), so that copies to and
+  // from it are DMA without a staging copy; shared-memory regions use it. UNAVAILABLE without
+  // CUDA. Unpin before unmapping.
+  static absl::Status PinHostMemory(void* p, int64_t bytes);
+  static void UnpinHostMemory(void* p);
   absl::Status Synchronize();
 
  private:

@@ -43,6 +43,14 @@ struct DecodedRequest {
   std::vector<int64_t> k_shape;  // the shape of k, which dK and dV take
 
   int64_t tokens() const { return problem.total_q() + problem.total_k(); }
+  // Whether [p, p + bytes) lies in one of the request's page-locked shared-memory regions, so
+  // that a device copy can DMA it directly.
+  bool InPinnedRegion(const void* p, int64_t bytes) const {
+    for (const auto& region : regions) {
+      if (region->pinned() && region->Contains(p, bytes)) return true;
+    }
+    return false;
+  }
 };
 
 // Bytes of Q, K, V, O (problem dtype) and the float32 LSE of a problem.

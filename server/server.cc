@@ -201,6 +201,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   service_options.auth_token = config.auth_token;
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
   service_options.shared_memory = config.shared_memory;
+  if (any_device) {  // lanes DMA page-locked regions to and from the device
+    service_options.shared_memory_pinning = {DevicePool::PinHostMemory,
+                                             DevicePool::UnpinHostMemory};
+  }
   v1::ServerInfo info = DescribeServer(config, kinds, probes, lane_count);
   self->service_ = std::make_unique<AttentionService>(
       service_options, std::move(probes), self->batcher_.get(), &self->metrics_, std::move(info));

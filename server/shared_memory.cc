@@ -70,7 +70,23 @@ SharedMemoryRegion::SharedMemoryRegion(std::string name, std::string key, void* 
       data_(data),
       size_(size) {}
 
-SharedMemoryRegion::~SharedMemoryRegion() { munmap(mapping_, mapping_bytes_); }
+SharedMemoryRegion::~SharedMemoryRegion() {
+  if (unpin_) unpin_(mapping_);
+  munmap(mapping_, mapping_bytes_);
+}
+
+bool SharedMemoryRegion::Contains(const void* p, int64_t bytes) const {
+  const auto* b = static_cast<const std::byte*>(p);
+  return b >= data_ && bytes >= 0 && static_cast<uint64_t>(b - data_) <= size_ &&
+         static_cast<uint64_t>(bytes) <= size_ - static_cast<uint64_t>(b - data_);
+}
+
+absl::Status SharedMemoryRegion::Pin(const std::function<absl::Status(void*, int64_t)>& pin,
+                                     std::function<void(void*)> unpin) {
+  if (absl::Status s = pin(mapping_, static_cast<int64_t>(mapping_bytes_)); !s.ok()) return s;
+  unpin_ = std::move(unpin);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(const std::string& name,
                                                                             const std::string& key,
@@ -123,7 +139,9 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(cons
                              static_cast<std::byte*>(mapping) + (offset - aligned), byte_size));
 }
 
-absl::Status SharedMemoryRegistry::Register(const v1::RegisterSharedMemoryRequest& request) {
+absl::Status SharedMemoryRegistry::Register(const v1::RegisterSharedMemoryRequest& request,
+                                            bool* pinned) {
+  if (pinned != nullptr) *pinned = false;
   const std::string& name = request.name();
   if (name.empty() || name.size() > kMaxNameLength) {
     return Invalid("name", absl::StrCat("must be 1 to ", kMaxNameLength, " bytes"));
@@ -144,6 +162,11 @@ absl::Status SharedMemoryRegistry::Register(const v1::RegisterSharedMemoryReques
   absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region =
       SharedMemoryRegion::Map(name, request.key(), request.offset(), request.byte_size());
   if (!region.ok()) return region.status();
+  if (pinning_.pin && pinning_.unpin) {
+    // Page-locking takes a while for big regions (~0.25 ms per MiB); registration is rare.
+    const bool ok = (*region)->Pin(pinning_.pin, pinning_.unpin).ok();
+    if (pinned != nullptr) *pinned = ok;
+  }
   absl::MutexLock lock(&mu_);
   if (!regions_.emplace(name, *std::move(region)).second) {
     return absl::AlreadyExistsError(

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -40,13 +41,22 @@ class SharedMemoryRegion {
   const std::string& key() const { return key_; }
   std::byte* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // Page-locked for device copies (see HostMemoryPinning).
+  bool pinned() const { return static_cast<bool>(unpin_); }
+  // Whether [p, p + bytes) lies inside the registered range.
+  bool Contains(const void* p, int64_t bytes) const;
+
+  // Page-locks the whole mapping with `pin`; `unpin` then runs before it is unmapped.
+  absl::Status Pin(const std::function<absl::Status(void*, int64_t)>& pin,
+                   std::function<void(void*)> unpin);
 
  private:
   SharedMemoryRegion(std::string name, std::string key, void* mapping, size_t mapping_bytes,
                      std::byte* data, uint64_t size);
 
   const std::string name_, key_;
-  void* const mapping_;  // page-aligned, as mmap returned it
+  void* const mapping_;               // page-aligned, as mmap returned it
+  std::function<void(void*)> unpin_;  // set once pinned
   const size_t mapping_bytes_;
   std::byte* const data_;  // the registered offset inside the mapping
   const uint64_t size_;
@@ -58,13 +68,25 @@ struct SharedMemorySpan {
   std::byte* data = nullptr;
 };
 
+// How a GPU server page-locks regions (cudaHostRegister), so that lanes copy tensors between a
+// region and the device by DMA instead of through the staging buffer.
+struct HostMemoryPinning {
+  std::function<absl::Status(void*, int64_t)> pin;
+  std::function<void(void*)> unpin;
+};
+
 class SharedMemoryRegistry {
  public:
   static constexpr int kMaxRegions = 1024;
 
+  SharedMemoryRegistry() = default;
+  explicit SharedMemoryRegistry(HostMemoryPinning pinning) : pinning_(std::move(pinning)) {}
+
   // ALREADY_EXISTS for a taken name, INVALID_ARGUMENT naming the field, NOT_FOUND /
   // PERMISSION_DENIED when the object cannot be opened, RESOURCE_EXHAUSTED past kMaxRegions.
-  absl::Status Register(const v1::RegisterSharedMemoryRequest& request);
+  // *pinned: whether the region could be page-locked (a region that cannot is still served,
+  // through the staging buffer).
+  absl::Status Register(const v1::RegisterSharedMemoryRequest& request, bool* pinned = nullptr);
   // Empty name: every region. Returns how many were removed; NOT_FOUND for an unknown name.
   absl::StatusOr<int> Unregister(const std::string& name);
 
@@ -76,6 +98,7 @@ class SharedMemoryRegistry {
   uint64_t mapped_bytes() const;
 
  private:
+  const HostMemoryPinning pinning_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
 };

@@ -69,6 +69,21 @@ check "fp16 d=64 requests match the reference" \
 check "fp16 requests with tensors in shared memory match the reference" \
   timeout 120 "${client}" attend --target="${target}" --check --shared_memory --dtype=float16 \
   --batch=2 --seqlen_q=64 --seqlen_k=200 --heads=8 --kv_heads=2 --head_dim=128 --count=3
+# Four clients at once, two with page-locked shared-memory tensors and two inline, in one shape
+# family so that their requests share batches (direct DMA and staged copies in one launch).
+mixed_ok=1
+pids=()
+for i in 0 1 2 3; do
+  extra=()
+  [[ $i -lt 2 ]] && extra=(--shared_memory)
+  timeout 120 "${client}" attend --target="${target}" --check --dtype=float16 --batch=1 \
+    --seqlen_q=$((40 + 7 * i)) --seqlen_k=$((90 + 5 * i)) --heads=8 --kv_heads=2 --head_dim=128 \
+    --lse --count=25 --seed=$((100 * i)) "${extra[@]}" >"${out}/mixed-${i}.txt" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "${pid}" || mixed_ok=0; done
+check "mixed shared-memory and inline clients at once all match the reference" \
+  test "${mixed_ok}" -eq 1
 check "shared-memory load over AttendStream: no request failed" \
   bash -c "timeout 60 '${client}' bench --target='${target}' --shared_memory --rpc=stream \
     --dtype=float16 --seqlen_q=64 --seqlen_k=64 --heads=8 --head_dim=64 --concurrency=32 \

@@ -145,6 +145,53 @@ TEST(SharedMemoryRegistry, SameHostPeers) {
   EXPECT_FALSE(IsSameHostPeer(""));
 }
 
+TEST(SharedMemoryRegistry, PinsRegionsAndUnpinsAfterTheLastUser) {
+  auto object = Object(3 * 4096);
+  int pins = 0, unpins = 0;
+  void* pinned_at = nullptr;
+  HostMemoryPinning pinning;
+  pinning.pin = [&](void* p, int64_t bytes) {
+    ++pins;
+    pinned_at = p;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 4096, 0u);  // the whole page-aligned mapping
+    EXPECT_GE(bytes, 5000);
+    return absl::OkStatus();
+  };
+  pinning.unpin = [&](void* p) {
+    ++unpins;
+    EXPECT_EQ(p, pinned_at);
+  };
+  SharedMemoryRegistry registry(pinning);
+  bool pinned = false;
+  ASSERT_TRUE(registry.Register(Registration("a", object->key(), 4100, 5000), &pinned).ok());
+  EXPECT_TRUE(pinned);
+  EXPECT_EQ(pins, 1);
+  auto span = registry.Resolve(Ref("a", 0, 5000), 5000, "q.shared_memory");
+  ASSERT_TRUE(span.ok());
+  EXPECT_TRUE(span->region->pinned());
+  EXPECT_TRUE(span->region->Contains(span->data + 10, 4990));
+  EXPECT_FALSE(span->region->Contains(span->data + 10, 4991));
+  EXPECT_FALSE(span->region->Contains(span->data - 1, 1));
+  ASSERT_TRUE(registry.Unregister("a").ok());
+  EXPECT_EQ(unpins, 0);  // a request still holds it
+  span->region.reset();
+  EXPECT_EQ(unpins, 1);
+
+  // A region that cannot be page-locked is still served, unpinned.
+  HostMemoryPinning failing;
+  failing.pin = [](void*, int64_t) { return absl::UnavailableError("no"); };
+  failing.unpin = [&](void*) { ++unpins; };
+  SharedMemoryRegistry unpinnable(failing);
+  ASSERT_TRUE(unpinnable.Register(Registration("b", object->key(), 0, 4096), &pinned).ok());
+  EXPECT_FALSE(pinned);
+  auto b = unpinnable.Resolve(Ref("b", 0, 16), 16, "q.shared_memory");
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(b->region->pinned());
+  ASSERT_TRUE(unpinnable.Unregister("b").ok());
+  b->region.reset();
+  EXPECT_EQ(unpins, 1);
+}
+
 client::ShapeSpec SmallSpec() {
   client::ShapeSpec s;
   s.dtype = attn::DType::kF16;
@@ -178,7 +225,8 @@ TEST(RequestDecoderSharedMemory, TensorsResolveIntoTheRegion) {
   EXPECT_NE(d->q, reinterpret_cast<const char*>((*buffer)->data()));  // the server's own mapping
   ASSERT_NE(d->o_out, nullptr);
   EXPECT_EQ(d->o_out_ref->offset(), r.o_shared_memory().offset());
-  EXPECT_EQ(d->regions.size(), 4u);  // q, k, v and o each hold the region
+  EXPECT_EQ(d->regions.size(), 4u);           // q, k, v and o each hold the region
+  EXPECT_FALSE(d->InPinnedRegion(d->q, 16));  // this registry does not page-lock
 
   // Without a registry (shared memory off) the reference is refused, naming the field.
   ExpectError(DecodeAttendRequest(r, {}).status(), absl::StatusCode::kInvalidArgument,
