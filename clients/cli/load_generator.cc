@@ -239,10 +239,11 @@ void LoadGenerator::RunStream(int stream, int depth, int first_slot, absl::Time 
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::AttendResponse>::Create(
           channels_[channel].get(), *stream_methods_[channel], &context));
 
-  // Slot i is one request in flight at a time, tagged request_id = i.
+  // Slot i is one request in flight at a time, tagged request_id = i. One thread runs the loop:
+  // it fills every slot, then sends a slot's next request as soon as its answer is read, so no
+  // thread hand-off sits between an answer and the next request.
   struct Slot {
     grpc::Slice id;  // the serialized message holding only request_id; fixed
-    // Guarded by mu below: set by the writer, cleared by the reader when the answer comes.
     bool busy = false;
     absl::Time sent;
     size_t request = 0;
@@ -253,81 +254,58 @@ void LoadGenerator::RunStream(int stream, int depth, int first_slot, absl::Time 
     id_only.set_request_id(absl::StrCat(i));
     slots[i].id = grpc::Slice(id_only.SerializeAsString());
   }
-  absl::Mutex mu;
-  std::vector<int> free_slots;  // guarded by mu
-  for (int i = depth - 1; i >= 0; --i) free_slots.push_back(i);
-  int in_flight = 0;  // guarded by mu
+  size_t next = static_cast<size_t>(stream) % pool_.size();
+  int in_flight = 0;
+  bool broken = false;
+  auto send = [&](int i) {
+    Slot& s = slots[i];
+    std::vector<grpc::Slice> message;
+    message.reserve(2 + bodies_[next].size());
+    message.push_back(s.id);
+    AppendBody(next, first_slot + i, &message);
+    const grpc::ByteBuffer bytes(message.data(), message.size());
+    s.busy = true;
+    s.request = next;
+    s.sent = absl::Now();
+    next = (next + 1) % pool_.size();
+    if (!call->Write(bytes)) {  // the stream failed; Finish says why
+      s.busy = false;
+      broken = true;
+      return;
+    }
+    ++in_flight;
+  };
+  for (int i = 0; i < depth && !broken && absl::Now() < stop; ++i) send(i);
 
-  // Responses arrive in completion order on this thread; each frees its slot for the writer.
-  std::thread reader([&] {
-    v1::AttendResponse response;
-    while (call->Read(&response)) {
-      const absl::Time now = absl::Now();
-      int slot = -1;
-      if (!absl::SimpleAtoi(response.request_id(), &slot) || slot < 0 || slot >= depth) {
-        absl::MutexLock lock(&tally->mu);
-        tally->Error("UNMATCHED_RESPONSE",
-                     absl::StrCat("request_id '", response.request_id(), "'"));
-        continue;
-      }
-      absl::Time sent;
-      size_t request = 0;
-      bool matched = false;
-      {
-        absl::MutexLock lock(&mu);
-        Slot& s = slots[slot];
-        if (s.busy) {  // a second answer to one request would be the server's bug
-          matched = true;
-          sent = s.sent;
-          request = s.request;
-          s.busy = false;
-          --in_flight;
-          free_slots.push_back(slot);
-        }
-      }
+  v1::AttendResponse response;
+  while (in_flight > 0 && call->Read(&response)) {
+    const absl::Time now = absl::Now();
+    int slot = -1;
+    if (!absl::SimpleAtoi(response.request_id(), &slot) || slot < 0 || slot >= depth ||
+        !slots[slot].busy) {  // a second answer to one request would be the server's bug
       absl::MutexLock lock(&tally->mu);
-      if (!matched) {
-        tally->Error("UNMATCHED_RESPONSE",
-                     absl::StrCat("request_id '", response.request_id(), "' not in flight"));
-      } else if (response.has_error()) {
+      tally->Error("UNMATCHED_RESPONSE",
+                   absl::StrCat("request_id '", response.request_id(), "' not in flight"));
+      continue;
+    }
+    Slot& s = slots[slot];
+    s.busy = false;
+    --in_flight;
+    {
+      absl::MutexLock lock(&tally->mu);
+      if (response.has_error()) {
         tally->Error(StatusCodeName(static_cast<grpc::StatusCode>(response.error().code())),
                      response.error().message());
       } else {
-        tally->samples.push_back(MakeSample(now - sent, request, response));
+        tally->samples.push_back(MakeSample(now - s.sent, s.request, response));
       }
     }
-  });
-
-  size_t next = static_cast<size_t>(stream) % pool_.size();
-  while (true) {
-    grpc::Slice id;
-    int slot_index = 0;
-    {
-      absl::MutexLock lock(&mu);
-      auto has_free = [&free_slots]() { return !free_slots.empty(); };
-      mu.AwaitWithDeadline(absl::Condition(&has_free), stop);
-      if (free_slots.empty() || absl::Now() >= stop) break;
-      slot_index = free_slots.back();
-      Slot& s = slots[slot_index];
-      free_slots.pop_back();
-      ++in_flight;
-      s.busy = true;
-      s.request = next;
-      s.sent = absl::Now();
-      id = s.id;
-    }
-    std::vector<grpc::Slice> message;
-    message.reserve(2 + bodies_[next].size());
-    message.push_back(id);
-    AppendBody(next, first_slot + slot_index, &message);
-    const grpc::ByteBuffer bytes(message.data(), message.size());
-    if (!call->Write(bytes)) break;  // the stream failed; Finish says why
-    next = (next + 1) % pool_.size();
+    if (!broken && now < stop) send(slot);
   }
   call->WritesDone();
-  reader.join();
+  while (call->Read(&response)) {
+  }
   const grpc::Status status = call->Finish();
-  absl::MutexLock lock(&mu);
   if (in_flight > 0) {  // sent but never answered
     absl::MutexLock tally_lock(&tally->mu);
     tally->Error(StatusCodeName(status.ok() ? grpc::StatusCode::UNKNOWN : status.error_code()),

@@ -7,7 +7,8 @@
 //
 // The closed loop runs over either RPC: unary Attend (one blocking call per client thread) or
 // AttendStream (the concurrency split over a few bidirectional streams, each keeping its share
-// of requests in flight and matching responses by request_id).
+// of requests in flight and matching responses by request_id; one thread per stream sends a
+// slot's next request as soon as it reads the answer).
 //
 // With shared memory (same-host clients) the pool's Q, K and V live in a registered region and
 // the messages only refer to them; in the closed loops each request in flight has its own O
