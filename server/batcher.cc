@@ -291,7 +291,13 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& 
   for (size_t i = 0; i < live.size(); ++i) {
     launched.tokens += live[i]->request.tokens();
     if (i > 0) q_first[i] = q_first[i - 1] + live[i - 1]->request.problem.total_q();
-    metrics_->OnPath(lane.engines[live[i]->engine]->kind(), live[i]->path_reason);
+    // One metrics update per run of requests with the same reason (a label lookup each).
+    if (i + 1 == live.size() || live[i + 1]->path_reason != live[i]->path_reason) {
+      size_t first = i;
+      while (first > 0 && live[first - 1]->path_reason == live[i]->path_reason) --first;
+      metrics_->OnPath(lane.engines[live[i]->engine]->kind(), live[i]->path_reason,
+                       static_cast<int>(i + 1 - first));
+    }
   }
   const absl::Status status = Execute(lane, helpers, live, &launched);
   const absl::Time end = absl::Now();
@@ -439,7 +445,7 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
     // Each request's Q, K and V go to their rows of the packed tensors: packed into the staging
     // region, except that tensors in page-locked shared memory go straight to the device.
     std::vector<CopyTask> copies;
-    std::vector<CopyTask> direct;  // dst: offset into the device region
+    std::vector<DevicePool::HostCopy> direct;
     int64_t q_at = q_off, k_at = k_off, v_at = v_off;
     for (const auto& item : batch) {
       const DecodedRequest& r = item->request;
@@ -449,7 +455,7 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
         if (bytes == 0) continue;
         const auto* from = reinterpret_cast<const std::byte*>(src);
         if (device_pool && r.InPinnedRegion(src, bytes)) {
-          direct.push_back({reinterpret_cast<std::byte*>(at), from, bytes});
+          direct.push_back({const_cast<char*>(src), at, bytes});
         } else {
           copies.push_back({host + at, from, bytes});
         }
@@ -462,10 +468,7 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
     // The packed range in one copy; the direct copies follow it on the same stream, so they
     // land last wherever the range covered their rows too.
     if (!copies.empty() || direct.empty()) ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_off));
-    for (const CopyTask& c : direct) {
-      ATTN_RETURN_IF_ERROR(
-          pool->CopyToDeviceFrom(c.src, reinterpret_cast<int64_t>(c.dst), c.bytes));
-    }
+    ATTN_RETURN_IF_ERROR(pool->CopyManyToDevice(direct));
   }
 
   std::byte* dev = pool->device();
@@ -490,19 +493,21 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   // O rows bound for page-locked shared memory go there directly; the rest (and the LSE) come
   // back to the staging region.
   launched->o_direct.assign(batch.size(), false);
-  bool all_direct = device_pool;
+  std::vector<DevicePool::HostCopy> o_direct;
+  size_t direct_count = 0;
   int64_t q_at = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const DecodedRequest& r = batch[i]->request;
     const int64_t bytes = r.problem.total_q() * q_row;
     if (device_pool && r.o_out != nullptr && r.InPinnedRegion(r.o_out, bytes)) {
-      ATTN_RETURN_IF_ERROR(pool->CopyToHostInto(r.o_out, o_off + q_at, bytes));
+      if (bytes > 0) o_direct.push_back({r.o_out, o_off + q_at, bytes});
       launched->o_direct[i] = true;
-    } else {
-      all_direct = false;
+      ++direct_count;
     }
     q_at += bytes;
   }
+  ATTN_RETURN_IF_ERROR(pool->CopyManyToHost(o_direct));
+  const bool all_direct = device_pool && direct_count == batch.size();
   if (all_direct) {
     ATTN_RETURN_IF_ERROR(pool->CopyToHost(lse_off, end - lse_off));
   } else {

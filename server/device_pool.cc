@@ -265,6 +265,51 @@ absl::Status DevicePool::CopyToHostInto(void* dst, int64_t offset, int64_t bytes
 #endif
 }
 
+absl::Status DevicePool::CopyManyToDevice(const std::vector<HostCopy>& copies) {
+  return CopyMany(copies, /*to_device=*/true);
+}
+
+absl::Status DevicePool::CopyManyToHost(const std::vector<HostCopy>& copies) {
+  return CopyMany(copies, /*to_device=*/false);
+}
+
+absl::Status DevicePool::CopyMany(const std::vector<HostCopy>& copies, bool to_device) {
+  if (copies.empty()) return absl::OkStatus();
+#if defined(ATTN_HAVE_CUDA)
+  if (space_ != attn::MemorySpace::kDevice) {
+    return absl::InternalError("device pool: host-device copies on a host pool");
+  }
+#if CUDART_VERSION >= 13000
+  if (copies.size() > 1) {
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    for (const HostCopy& c : copies) {
+      dsts.push_back(to_device ? static_cast<void*>(device_ + c.offset) : c.host);
+      srcs.push_back(to_device ? static_cast<const void*>(c.host) : device_ + c.offset);
+      sizes.push_back(static_cast<size_t>(c.bytes));
+    }
+    cudaMemcpyAttributes attributes{};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // after the stream's work
+    size_t first_copy = 0;
+    if (cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attributes,
+                             &first_copy, 1, static_cast<cudaStream_t>(stream_)) == cudaSuccess) {
+      return absl::OkStatus();
+    }
+    (void)cudaGetLastError();  // not taken (e.g. an older driver): one call per copy below
+  }
+#endif
+  for (const HostCopy& c : copies) {
+    absl::Status s = to_device ? CopyToDeviceFrom(c.host, c.offset, c.bytes)
+                               : CopyToHostInto(c.host, c.offset, c.bytes);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
 absl::Status DevicePool::PinHostMemory(void* p, int64_t bytes) {
 #if defined(ATTN_HAVE_CUDA)
   return CudaCheck(cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterPortable),

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -70,6 +71,15 @@ class DevicePool {
   // be page-locked (PinHostMemory) for the copy to be asynchronous. Device pools only.
   absl::Status CopyToDeviceFrom(const void* src, int64_t offset, int64_t bytes);
   absl::Status CopyToHostInto(void* dst, int64_t offset, int64_t bytes);
+  // Many independent such copies (no two write the same bytes), in one driver call where the
+  // runtime has one (cudaMemcpyBatchAsync): a batch of small requests has dozens.
+  struct HostCopy {
+    void* host;      // page-locked; read from (to device) or written to (to host)
+    int64_t offset;  // into the device region
+    int64_t bytes;
+  };
+  absl::Status CopyManyToDevice(const std::vector<HostCopy>& copies);
+  absl::Status CopyManyToHost(const std::vector<HostCopy>& copies);
 
   // Page-locks host memory for every device (cudaHostRegister, portable), so that copies to and
   // from it are DMA without a staging copy; shared-memory regions use it. UNAVAILABLE without
@@ -79,6 +89,7 @@ class DevicePool {
   absl::Status Synchronize();
 
  private:
+  absl::Status CopyMany(const std::vector<HostCopy>& copies, bool to_device);
   DevicePool(attn::MemorySpace space, int device, int64_t limit_bytes)
       : space_(space), device_ordinal_(device), limit_(limit_bytes) {}
   void Release();

@@ -265,8 +265,8 @@ void Metrics::OnBatch(int requests) {
   }
 }
 
-void Metrics::OnPath(attn::EngineKind engine, PathReason reason) {
-  path_->Add({{"path", PathLabel(engine)}, {"reason", ReasonLabel(reason)}}).Increment();
+void Metrics::OnPath(attn::EngineKind engine, PathReason reason, int requests) {
+  path_->Add({{"path", PathLabel(engine)}, {"reason", ReasonLabel(reason)}}).Increment(requests);
 }
 
 void Metrics::OnLaunch(const Launch& launch) {

@@ -98,8 +98,8 @@ class Metrics {
   void OnDequeued(int n);
   // A batch of `requests` reached a lane (GetServerInfo's batch statistics).
   void OnBatch(int requests);
-  // A request is about to run on `engine`, chosen for `reason`.
-  void OnPath(attn::EngineKind engine, PathReason reason);
+  // `requests` requests are about to run on `engine`, chosen for `reason`.
+  void OnPath(attn::EngineKind engine, PathReason reason, int requests = 1);
   void OnLaunch(const Launch& launch);
   // A queued request finished (ok or not).
   void OnFinished(Method method, const absl::Status& status, absl::Duration queue,
