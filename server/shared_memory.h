@@ -1,8 +1,9 @@
 // Shared-memory regions for same-host clients. A client puts tensors in a POSIX shared-memory
 // object, registers a range of it under a name (RegisterSharedMemory), and sends requests whose
-// tensors refer to (region, offset, byte_size) instead of carrying bytes: the batcher copies
-// straight from the region into the pinned staging buffer and writes O back into it, and gRPC
-// only moves a few hundred bytes per request.
+// tensors refer to (region, offset, byte_size) instead of carrying bytes: gRPC moves a few
+// hundred bytes per request, and the batcher copies the tensors between the region and the
+// device (by DMA when a GPU server page-locked the region, else through its staging buffer) and
+// writes O back into it.
 //
 // A region stays mapped while any request that resolved it holds its shared_ptr, so
 // unregistering never pulls memory from under a running batch. Trust: a registered object is
