@@ -99,7 +99,7 @@ class SharedMemoryRegistry {
   uint64_t mapped_bytes() const;
 
  private:
-  const HostMemoryPinning pinning_;
+  const HostMemoryPinning pinning_ = {};
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,7 +1,11 @@
 // Integration tests: the real attnserve binary on an ephemeral loopback port (CPU engine),
 // driven through the real client library and generated stubs.
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -272,6 +276,45 @@ TEST(ServerIntegration, SharedMemoryTensorsMatchTheReference) {
   v1::RegisterSharedMemoryResponse registered_response;
   status = c.stub->RegisterSharedMemory(&context, missing, &registered_response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+}
+
+// The first IPv4 address of this machine that is not a loopback one; empty when there is none.
+std::string NonLoopbackAddress() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = list; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    if ((a->ifa_flags & IFF_LOOPBACK) != 0 || (a->ifa_flags & IFF_UP) == 0) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+    found = text;
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+TEST(ServerIntegration, SharedMemoryIsOnlyForLoopbackPeers) {
+  const std::string address = NonLoopbackAddress();
+  if (address.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
+  Connection c = Connect({"--listen=0.0.0.0:0"});
+  ChannelOptions options;
+  options.target = absl::StrCat(address, ":", c.server->port());
+  ChannelFactory factory(options);
+  auto channel = factory.Connect();
+  ASSERT_TRUE(channel.ok());
+  auto stub = v1::AttentionService::NewStub(*channel);
+  auto buffer = client::SharedMemoryBuffer::Create(4096);
+  ASSERT_TRUE(buffer.ok());
+  // Through the machine's own network address the peer is not a loopback one: refused.
+  const grpc::Status refused = client::RegisterSharedMemory(*stub, factory, "r", **buffer);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED) << refused.error_message();
+  // Over loopback the same registration is accepted.
+  auto local = client::SharedMemoryBuffer::Create(4096);
+  ASSERT_TRUE(local.ok());
+  const grpc::Status accepted = client::RegisterSharedMemory(*c.stub, *c.factory, "r", **local);
+  EXPECT_TRUE(accepted.ok()) << accepted.error_message();
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
