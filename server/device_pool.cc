@@ -233,38 +233,6 @@ absl::Status DevicePool::CopyToHost(int64_t offset, int64_t bytes) {
 #endif
 }
 
-absl::Status DevicePool::CopyToDeviceFrom(const void* src, int64_t offset, int64_t bytes) {
-  if (bytes == 0) return absl::OkStatus();
-#if defined(ATTN_HAVE_CUDA)
-  if (space_ != attn::MemorySpace::kDevice) {
-    return absl::InternalError("device pool: CopyToDeviceFrom on a host pool");
-  }
-  return CudaCheck(cudaMemcpyAsync(device_ + offset, src, bytes, cudaMemcpyHostToDevice,
-                                   static_cast<cudaStream_t>(stream_)),
-                   "cudaMemcpyAsync(pinned host to device)");
-#else
-  (void)src;
-  (void)offset;
-  return absl::UnavailableError("device pool: this build has no CUDA support");
-#endif
-}
-
-absl::Status DevicePool::CopyToHostInto(void* dst, int64_t offset, int64_t bytes) {
-  if (bytes == 0) return absl::OkStatus();
-#if defined(ATTN_HAVE_CUDA)
-  if (space_ != attn::MemorySpace::kDevice) {
-    return absl::InternalError("device pool: CopyToHostInto on a host pool");
-  }
-  return CudaCheck(cudaMemcpyAsync(dst, device_ + offset, bytes, cudaMemcpyDeviceToHost,
-                                   static_cast<cudaStream_t>(stream_)),
-                   "cudaMemcpyAsync(device to pinned host)");
-#else
-  (void)dst;
-  (void)offset;
-  return absl::UnavailableError("device pool: this build has no CUDA support");
-#endif
-}
-
 absl::Status DevicePool::CopyManyToDevice(const std::vector<HostCopy>& copies) {
   return CopyMany(copies, /*to_device=*/true);
 }
@@ -300,9 +268,18 @@ absl::Status DevicePool::CopyMany(const std::vector<HostCopy>& copies, bool to_d
   }
 #endif
   for (const HostCopy& c : copies) {
-    absl::Status s = to_device ? CopyToDeviceFrom(c.host, c.offset, c.bytes)
-                               : CopyToHostInto(c.host, c.offset, c.bytes);
-    if (!s.ok()) return s;
+    if (c.bytes == 0) continue;
+    std::byte* device = device_ + c.offset;
+    const cudaError_t err = to_device
+                                ? cudaMemcpyAsync(device, c.host, c.bytes, cudaMemcpyHostToDevice,
+                                                  static_cast<cudaStream_t>(stream_))
+                                : cudaMemcpyAsync(c.host, device, c.bytes, cudaMemcpyDeviceToHost,
+                                                  static_cast<cudaStream_t>(stream_));
+    if (auto s = CudaCheck(err, to_device ? "cudaMemcpyAsync(pinned host to device)"
+                                          : "cudaMemcpyAsync(device to pinned host)");
+        !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 #else

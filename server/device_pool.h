@@ -67,12 +67,10 @@ class DevicePool {
   // Asynchronous on stream(); no-ops for host engines.
   absl::Status CopyToDevice(int64_t offset, int64_t bytes);
   absl::Status CopyToHost(int64_t offset, int64_t bytes);
-  // The same between the device region and host memory outside the staging region, which must
-  // be page-locked (PinHostMemory) for the copy to be asynchronous. Device pools only.
-  absl::Status CopyToDeviceFrom(const void* src, int64_t offset, int64_t bytes);
-  absl::Status CopyToHostInto(void* dst, int64_t offset, int64_t bytes);
-  // Many independent such copies (no two write the same bytes), in one driver call where the
-  // runtime has one (cudaMemcpyBatchAsync): a batch of small requests has dozens.
+  // Copies between the device region and host memory outside the staging region, which must be
+  // page-locked (PinHostMemory) for them to be asynchronous; independent of each other (no two
+  // write the same bytes), in one driver call where the runtime has one (cudaMemcpyBatchAsync):
+  // a batch of small requests has dozens. Device pools only.
   struct HostCopy {
     void* host;      // page-locked; read from (to device) or written to (to host)
     int64_t offset;  // into the device region
