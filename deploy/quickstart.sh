@@ -3,8 +3,8 @@
 # builds the server and the client in build/, starts `attnserve` on a free loopback port (the
 # CUDA fused engine when a GPU is usable, the CPU engine otherwise), asks it what it serves,
 # sends it real attention requests checked against the float64 reference (a forward request,
-# then a training step's gradients through AttendBackward), then stops it with SIGTERM and
-# checks that it drained cleanly.
+# the same with its tensors in shared memory, then a training step's gradients through
+# AttendBackward), then stops it with SIGTERM and checks that it drained cleanly.
 #
 # Arguments are passed to `attnserve_client attend`, e.g.
 #   deploy/quickstart.sh --dtype=bfloat16 --seqlen_q=1024 --seqlen_k=1024 --heads=16 --causal
@@ -56,6 +56,9 @@ attend=("${client}" attend --target="${target}" --check --lse --dtype=float16 --
   --seqlen_q=256 --seqlen_k=256 --heads=8 --kv_heads=2 --head_dim=64 --causal "$@")
 echo "==> ${attend[*]}"
 "${attend[@]}"
+# The same request from a client on this host, its tensors in a registered shared-memory region.
+echo "==> ${attend[*]} --shared_memory"
+"${attend[@]}" --shared_memory
 # A training step through the offline endpoint: the forward's O and LSE go back with dO.
 backward=("${client}" backward --target="${target}" --check --send_forward --dtype=float16
   --batch=2 --seqlen_q=128 --seqlen_k=128 --heads=8 --kv_heads=2 --head_dim=64 --causal)
