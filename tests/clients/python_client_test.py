@@ -222,6 +222,14 @@ def main():
                     for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref),
                                             ("dv", dv, dv_ref)):
                         check(f"shm {name} {dtype}", got, want, GRAD_TOLERANCE[dtype], failures)
+                # Pipelined: every problem's tensors laid out in the region one after another.
+                seen = set()
+                for index, o, _ in c.attend_many(problems[:6], shared_memory=region):
+                    seen.add(index)
+                    check(f"shm stream o[{index}]", o, wants[index][0], TOLERANCE["float32"],
+                          failures)
+                if seen != set(range(6)):
+                    failures.append(f"shm stream answered {sorted(seen)}")
                 if c.info()["stats"].get("requests_failed"):
                     failures.append("shm: failed requests")
             try:  # unregistered on close: its name is unknown now

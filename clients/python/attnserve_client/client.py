@@ -59,8 +59,9 @@ _region_ids = itertools.count()
 class SharedMemoryRegion:
     """A POSIX shared-memory object registered with the server (Client.shared_memory): requests
     given it send their tensors by reference and get O back through it, instead of moving the
-    bytes through gRPC. Same host only. One request at a time uses a region (each call lays its
-    tensors out from the start); close() unregisters it."""
+    bytes through gRPC. Same host only. One call at a time uses a region (each call lays its
+    tensors out from the start; attend_many lays out all of its problems); close() unregisters
+    it."""
 
     def __init__(self, client, size, name=None):
         self._client = client
@@ -240,19 +241,29 @@ class Client:
         self.last_response = response
         return from_tensor(response.d_q), from_tensor(response.d_k), from_tensor(response.d_v)
 
-    def attend_many(self, problems, *, timeout=None):
+    def attend_many(self, problems, *, timeout=None, shared_memory=None):
         """Many forward requests pipelined on one AttendStream call, for throughput: the server
         batches them with whatever else it is running. problems: an iterable of dicts with the
         arguments of attend() (q, k, v and the keywords). Yields (index, o, lse or None) as the
         answers arrive, in completion order. A failed request raises RuntimeError naming its
         index, the status code and the server's message when its answer arrives (the stream
-        itself failing raises grpc.RpcError)."""
+        itself failing raises grpc.RpcError). shared_memory: a SharedMemoryRegion that holds
+        every problem's Q, K, V and O one after the other (each request in flight needs its
+        own space); a problem that does not fit ends the stream with grpc.RpcError."""
+        if shared_memory is not None:
+            shared_memory._reset()
+
         def requests():
             for i, p in enumerate(problems):
                 p = dict(p)
                 return_lse = p.pop("return_lse", False)
                 r = self._request(**p, request_id=str(i))  # unknown keys raise TypeError
                 r.return_lse = return_lse
+                if shared_memory is not None:
+                    o_bytes = len(r.q.data)
+                    for t in (r.q, r.k, r.v):
+                        shared_memory._place(t)
+                    r.o_shared_memory.CopyFrom(shared_memory._take(o_bytes))
                 yield r
 
         for response in self._stream(requests(), timeout=timeout or self._timeout,
@@ -262,4 +273,8 @@ class Client:
                 code = _CODE_NAMES.get(response.error.code, str(response.error.code))
                 raise RuntimeError(f"problem {index}: {code}: {response.error.message}")
             lse = from_tensor(response.lse) if response.HasField("lse") else None
-            yield index, from_tensor(response.o), lse
+            o_tensor = response.o
+            if o_tensor.HasField("shared_memory"):
+                o_tensor = pb.Tensor(dtype=o_tensor.dtype, shape=o_tensor.shape,
+                                     data=shared_memory._read(o_tensor.shared_memory))
+            yield index, from_tensor(o_tensor), lse
