@@ -288,15 +288,15 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& 
   launched.batch_id = next_batch_id_.fetch_add(1);
   launched.requests = static_cast<int>(live.size());
   std::vector<int64_t> q_first(live.size(), 0);  // each request's first row in the batch
+  size_t run_start = 0;                          // of the requests sharing live[i]'s path reason
   for (size_t i = 0; i < live.size(); ++i) {
     launched.tokens += live[i]->request.tokens();
     if (i > 0) q_first[i] = q_first[i - 1] + live[i - 1]->request.problem.total_q();
     // One metrics update per run of requests with the same reason (a label lookup each).
     if (i + 1 == live.size() || live[i + 1]->path_reason != live[i]->path_reason) {
-      size_t first = i;
-      while (first > 0 && live[first - 1]->path_reason == live[i]->path_reason) --first;
       metrics_->OnPath(lane.engines[live[i]->engine]->kind(), live[i]->path_reason,
-                       static_cast<int>(i + 1 - first));
+                       static_cast<int>(i + 1 - run_start));
+      run_start = i + 1;
     }
   }
   const absl::Status status = Execute(lane, helpers, live, &launched);
@@ -494,7 +494,6 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
   // back to the staging region.
   launched->o_direct.assign(batch.size(), false);
   std::vector<DevicePool::HostCopy> o_direct;
-  size_t direct_count = 0;
   int64_t q_at = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const DecodedRequest& r = batch[i]->request;
@@ -502,12 +501,12 @@ absl::Status Batcher::Execute(Lane& lane, attn::cpu::ThreadPool& helpers, const 
     if (device_pool && r.o_out != nullptr && r.InPinnedRegion(r.o_out, bytes)) {
       if (bytes > 0) o_direct.push_back({r.o_out, o_off + q_at, bytes});
       launched->o_direct[i] = true;
-      ++direct_count;
     }
     q_at += bytes;
   }
   ATTN_RETURN_IF_ERROR(pool->CopyManyToHost(o_direct));
-  const bool all_direct = device_pool && direct_count == batch.size();
+  const bool all_direct = std::find(launched->o_direct.begin(), launched->o_direct.end(), false) ==
+                          launched->o_direct.end();
   if (all_direct) {
     ATTN_RETURN_IF_ERROR(pool->CopyToHost(lse_off, end - lse_off));
   } else {
@@ -551,10 +550,7 @@ absl::Status Batcher::ExecuteBackward(Lane& lane, attn::cpu::ThreadPool& helpers
   attn::Engine& engine = *lane.engines[item.engine];
   const DecodedRequest& r = item.request;
   const attn::AttentionProblem& p = r.problem;
-  const int64_t es = attn::DTypeSize(p.dtype);
-  const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * es;
-  const int64_t kv_bytes = p.total_k() * p.num_kv_heads * p.head_dim * es;
-  const int64_t lse_bytes = p.total_q() * p.num_heads * 4;
+  const auto [q_bytes, kv_bytes, lse_bytes] = TensorSizesOf(p);
   const bool have_forward = r.o != nullptr;
 
   // Inputs first (copied to the device in one go), then the outputs (copied back in one go).

@@ -91,22 +91,20 @@ absl::Status CheckDim(const char* field, int64_t got, int64_t want, const char* 
 
 }  // namespace
 
-int64_t WorkingSetBytes(const attn::AttentionProblem& p) {
+TensorSizes TensorSizesOf(const attn::AttentionProblem& p) {
   const int64_t es = attn::DTypeSize(p.dtype);
-  const int64_t d = p.head_dim;
-  const int64_t q = p.total_q() * p.num_heads * d * es;
-  const int64_t kv = p.total_k() * p.num_kv_heads * d * es;
-  const int64_t lse = p.total_q() * p.num_heads * 4;
-  return 2 * q + 2 * kv + lse;
+  return {p.total_q() * p.num_heads * p.head_dim * es,
+          p.total_k() * p.num_kv_heads * p.head_dim * es, p.total_q() * p.num_heads * 4};
+}
+
+int64_t WorkingSetBytes(const attn::AttentionProblem& p) {
+  const TensorSizes s = TensorSizesOf(p);
+  return 2 * s.q + 2 * s.kv + s.lse;
 }
 
 int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p) {
-  const int64_t es = attn::DTypeSize(p.dtype);
-  const int64_t d = p.head_dim;
-  const int64_t q = p.total_q() * p.num_heads * d * es;
-  const int64_t kv = p.total_k() * p.num_kv_heads * d * es;
-  const int64_t lse = p.total_q() * p.num_heads * 4;
-  return 4 * q + 4 * kv + lse;
+  const TensorSizes s = TensorSizesOf(p);
+  return 4 * s.q + 4 * s.kv + s.lse;
 }
 
 absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype) {

@@ -53,6 +53,11 @@ struct DecodedRequest {
   }
 };
 
+// Bytes of one of a problem's tensors: Q (and O, dO, dQ), K (and V, dK, dV), the float32 LSE.
+struct TensorSizes {
+  int64_t q = 0, kv = 0, lse = 0;
+};
+TensorSizes TensorSizesOf(const attn::AttentionProblem& p);
 // Bytes of Q, K, V, O (problem dtype) and the float32 LSE of a problem.
 int64_t WorkingSetBytes(const attn::AttentionProblem& p);
 // The backward pass's: Q, K, V, O, dO, dQ, dK, dV and the LSE.

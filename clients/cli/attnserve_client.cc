@@ -243,24 +243,27 @@ int Attend(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel
     if (absl::GetFlag(FLAGS_window_right) >= 0) {
       request.set_window_right(absl::GetFlag(FLAGS_window_right));
     }
-    // By reference: Q, K, V and a slot for O in a region registered for this request.
+    // By reference: Q, K, V and a slot for O in a registered region, registered again only
+    // when a request outgrows it (registration page-locks the region on a GPU server).
     v1::AttendRequest sent = request;
     if (shared_memory) {
       const int64_t o_bytes = static_cast<int64_t>(request.q().data().size());
       const int64_t bytes = attnserve::client::LoadGenerator::SharedMemoryBytes({request}, 1);
-      absl::StatusOr<std::unique_ptr<attnserve::client::SharedMemoryBuffer>> created =
-          attnserve::client::SharedMemoryBuffer::Create(bytes);
-      if (!created.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(created.status().message()).c_str());
-        return 1;
-      }
-      if (buffer != nullptr)
-        (void)attnserve::client::UnregisterSharedMemory(*stub, factory, region);
-      buffer = *std::move(created);
-      if (const grpc::Status s =
-              attnserve::client::RegisterSharedMemory(*stub, factory, region, *buffer);
-          !s.ok()) {
-        return RpcFailed("RegisterSharedMemory", s);
+      if (buffer == nullptr || buffer->size() < bytes) {
+        absl::StatusOr<std::unique_ptr<attnserve::client::SharedMemoryBuffer>> created =
+            attnserve::client::SharedMemoryBuffer::Create(bytes);
+        if (!created.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(created.status().message()).c_str());
+          return 1;
+        }
+        if (buffer != nullptr)
+          (void)attnserve::client::UnregisterSharedMemory(*stub, factory, region);
+        buffer = *std::move(created);
+        if (const grpc::Status s =
+                attnserve::client::RegisterSharedMemory(*stub, factory, region, *buffer);
+            !s.ok()) {
+          return RpcFailed("RegisterSharedMemory", s);
+        }
       }
       int64_t offset = 0;
       for (v1::Tensor* t : {sent.mutable_q(), sent.mutable_k(), sent.mutable_v()}) {

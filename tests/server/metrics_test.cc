@@ -201,6 +201,18 @@ TEST(MetricsHooks, QueueAndInFlightGauges) {
   EXPECT_EQ(m.Snapshot().requests_failed(), 1);
 }
 
+// Two sequences of 17 queries over 33 keys, 4 query heads on 2 KV heads, d = 32 (float32).
+client::ShapeSpec TwoSequenceGqaShape() {
+  client::ShapeSpec s;
+  s.batch = 2;
+  s.seqlen_q = 17;
+  s.seqlen_k = 33;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 32;
+  return s;
+}
+
 TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
   ExportingServer s;
   ASSERT_NO_FATAL_FAILURE(s.Start());
@@ -217,13 +229,7 @@ TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
   const Samples before = Parse(*before_text);
 
   // Unary requests that succeed, all with the LSE so the IO formula is exact after packing.
-  client::ShapeSpec shape;
-  shape.batch = 2;
-  shape.seqlen_q = 17;
-  shape.seqlen_k = 33;
-  shape.num_heads = 4;
-  shape.num_kv_heads = 2;
-  shape.head_dim = 32;
+  client::ShapeSpec shape = TwoSequenceGqaShape();
   shape.causal = true;
   shape.return_lse = true;
   constexpr int kOk = 5;
@@ -346,13 +352,7 @@ TEST(MetricsExporter, BackwardIsCountedUnderItsOwnMethod) {
   ASSERT_TRUE(before_text.ok()) << before_text.status();
   const Samples before = Parse(*before_text);
 
-  client::ShapeSpec shape;
-  shape.batch = 2;
-  shape.seqlen_q = 17;
-  shape.seqlen_k = 33;
-  shape.num_heads = 4;
-  shape.num_kv_heads = 2;
-  shape.head_dim = 32;
+  const client::ShapeSpec shape = TwoSequenceGqaShape();
   const attn::AttentionProblem one =
       attn::DenseProblem(attn::DType::kF32, 2, 17, 33, 4, 2, 32, /*causal=*/false);
   {  // no O and LSE: the server runs the forward too
