@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "server/device_pool.h"
 
 namespace attnserve {
 
@@ -18,6 +19,7 @@ absl::Status Config::Validate() const {
   if (lanes_per_device < 0 || lanes_per_device > 16) {
     return bad("lanes_per_device", lanes_per_device, "must be in [0, 16]");
   }
+  if (absl::Status s = ParseDeviceWait(gpu_wait).status(); !s.ok()) return s;
   if (cpu_threads < 0) return bad("cpu_threads", cpu_threads, "must be >= 0");
   if (max_batch_tokens < 1) return bad("max_batch_tokens", max_batch_tokens, "must be >= 1");
   if (max_batch_requests < 1) {

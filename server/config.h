@@ -22,6 +22,8 @@ struct Config {
   // Threads per lane (its own included) sharing a batch's host copies once they pass 4 MiB;
   // 0: cores / (2 x lanes), between 1 and 4.
   int lane_threads = 0;
+  // How a lane waits for its batch on the GPU: spin, yield or block (server/device_pool.h).
+  std::string gpu_wait = "spin";
 
   int64_t max_batch_tokens = 16384;
   int max_batch_requests = 32;

@@ -1,5 +1,6 @@
 #include "server/device_pool.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,9 +32,18 @@ absl::Status CudaCheck(cudaError_t err, const char* what) {
 
 }  // namespace
 
+absl::StatusOr<DeviceWait> ParseDeviceWait(absl::string_view name) {
+  if (name == "spin") return DeviceWait::kSpin;
+  if (name == "yield") return DeviceWait::kYield;
+  if (name == "block") return DeviceWait::kBlock;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--gpu_wait=", name, ": must be spin, yield or block"));
+}
+
 absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace space, int device,
-                                                               int64_t limit_bytes) {
-  std::unique_ptr<DevicePool> pool(new DevicePool(space, device, limit_bytes));
+                                                               int64_t limit_bytes,
+                                                               DeviceWait wait) {
+  std::unique_ptr<DevicePool> pool(new DevicePool(space, device, limit_bytes, wait));
   if (space == attn::MemorySpace::kDevice) {
 #if defined(ATTN_HAVE_CUDA)
     if (auto s = CudaCheck(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
@@ -48,6 +58,15 @@ absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Create(attn::MemorySpace
       cudaEvent_t e = nullptr;
       if (auto s = CudaCheck(cudaEventCreate(&e), "cudaEventCreate"); !s.ok()) return s;
       *event = e;
+    }
+    if (wait != DeviceWait::kSpin) {
+      const unsigned flags =
+          cudaEventDisableTiming | (wait == DeviceWait::kBlock ? cudaEventBlockingSync : 0u);
+      cudaEvent_t e = nullptr;
+      if (auto s = CudaCheck(cudaEventCreateWithFlags(&e, flags), "cudaEventCreate"); !s.ok()) {
+        return s;
+      }
+      pool->done_ = e;
     }
 #else
     return absl::UnavailableError("device pool: this build has no CUDA support");
@@ -74,7 +93,7 @@ int64_t DevicePool::TotalMemoryBytes(attn::MemorySpace space, int device) {
 DevicePool::~DevicePool() {
   Release();
 #if defined(ATTN_HAVE_CUDA)
-  for (void* event : {compute_start_, compute_stop_}) {
+  for (void* event : {compute_start_, compute_stop_, done_}) {
     if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
   }
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
@@ -309,8 +328,20 @@ void DevicePool::UnpinHostMemory(void* p) {
 absl::Status DevicePool::Synchronize() {
   if (space_ != attn::MemorySpace::kDevice) return absl::OkStatus();
 #if defined(ATTN_HAVE_CUDA)
-  return CudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)),
-                   "cudaStreamSynchronize");
+  const auto stream = static_cast<cudaStream_t>(stream_);
+  if (wait_ == DeviceWait::kSpin) {
+    return CudaCheck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
+  const auto done = static_cast<cudaEvent_t>(done_);
+  if (auto s = CudaCheck(cudaEventRecord(done, stream), "cudaEventRecord"); !s.ok()) return s;
+  if (wait_ == DeviceWait::kBlock) {
+    return CudaCheck(cudaEventSynchronize(done), "cudaEventSynchronize");
+  }
+  while (true) {
+    const cudaError_t err = cudaEventQuery(done);
+    if (err != cudaErrorNotReady) return CudaCheck(err, "cudaEventQuery");
+    sched_yield();
+  }
 #else
   return absl::UnavailableError("device pool: this build has no CUDA support");
 #endif

@@ -19,16 +19,30 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attn/engine.h"
 
 namespace attnserve {
 
+// How a lane thread waits for its batch on the GPU (Synchronize). Spinning answers a few
+// microseconds sooner; it also keeps a core busy for the whole GPU round trip, a core the gRPC
+// threads need when the server is CPU-bound.
+enum class DeviceWait {
+  kSpin,   // cudaStreamSynchronize: the runtime polls (one context, many cores: it spins)
+  kYield,  // poll an event, sched_yield between polls: runnable threads on the core go first
+  kBlock,  // a blocking-sync event: the thread sleeps until the GPU's interrupt wakes it
+};
+// "spin", "yield" or "block"; INVALID_ARGUMENT naming the flag otherwise.
+absl::StatusOr<DeviceWait> ParseDeviceWait(absl::string_view name);
+
 class DevicePool {
  public:
   // `device` is the CUDA ordinal (ignored for host memory). `limit_bytes` caps each region.
+  // `wait` says how Synchronize waits (device pools only).
   static absl::StatusOr<std::unique_ptr<DevicePool>> Create(attn::MemorySpace space, int device,
-                                                            int64_t limit_bytes);
+                                                            int64_t limit_bytes,
+                                                            DeviceWait wait = DeviceWait::kSpin);
   ~DevicePool();
 
   // Total memory of CUDA device `device`, or of the host for kHost; 0 when unknown.
@@ -84,23 +98,26 @@ class DevicePool {
   // CUDA. Unpin before unmapping.
   static absl::Status PinHostMemory(void* p, int64_t bytes);
   static void UnpinHostMemory(void* p);
+  // Waits until everything issued on stream() has run, the way `wait` says.
   absl::Status Synchronize();
 
  private:
   absl::Status CopyMany(const std::vector<HostCopy>& copies, bool to_device);
-  DevicePool(attn::MemorySpace space, int device, int64_t limit_bytes)
-      : space_(space), device_ordinal_(device), limit_(limit_bytes) {}
+  DevicePool(attn::MemorySpace space, int device, int64_t limit_bytes, DeviceWait wait)
+      : space_(space), device_ordinal_(device), limit_(limit_bytes), wait_(wait) {}
   void Release();
 
   attn::MemorySpace space_;
   int device_ordinal_;
   int64_t limit_;
+  DeviceWait wait_;
   int64_t capacity_ = 0;
   std::byte* host_ = nullptr;
   std::byte* device_ = nullptr;
   void* stream_ = nullptr;
   void* compute_start_ = nullptr;  // cudaEvent_t, device pools only
   void* compute_stop_ = nullptr;
+  void* done_ = nullptr;  // recorded by Synchronize unless spinning
   absl::Time host_start_;
   absl::Time host_stop_;
 };

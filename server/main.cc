@@ -35,6 +35,10 @@ ABSL_FLAG(int, lane_threads, 0,
           "Threads per lane, its own included, that share a batch's host copies (requests into "
           "the staging region, outputs into the responses) once they pass 4 MiB; "
           "0 = cores / (2 x lanes), between 1 and 4");
+ABSL_FLAG(std::string, gpu_wait, "spin",
+          "How a lane waits for its batch on the GPU: spin (lowest latency, a core busy for the "
+          "whole round trip), yield (polls, giving the core to other runnable threads) or block "
+          "(sleeps until the GPU's interrupt)");
 ABSL_FLAG(int, cpu_threads, 0, "CPU engine threads; 0 = all cores");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384,
           "A batch closes when its query + key tokens reach this");
@@ -84,6 +88,7 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   }
   c.lanes_per_device = absl::GetFlag(FLAGS_lanes_per_device);
   c.lane_threads = absl::GetFlag(FLAGS_lane_threads);
+  c.gpu_wait = absl::GetFlag(FLAGS_gpu_wait);
   c.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);

@@ -127,6 +127,7 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   ATTN_RETURN_IF_ERROR(config.Validate());
+  ATTN_ASSIGN_OR_RETURN(const DeviceWait gpu_wait, ParseDeviceWait(config.gpu_wait));
   std::unique_ptr<Server> self(new Server(config));
 
   ATTN_ASSIGN_OR_RETURN(std::vector<attn::EngineKind> kinds, ChooseEngineKinds(config));
@@ -151,9 +152,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       ATTN_ASSIGN_OR_RETURN(lane.host_pool, DevicePool::Create(attn::MemorySpace::kHost, device,
                                                                config.memory_limit_bytes));
       if (any_device) {
-        ATTN_ASSIGN_OR_RETURN(
-            lane.device_pool,
-            DevicePool::Create(attn::MemorySpace::kDevice, device, config.memory_limit_bytes));
+        ATTN_ASSIGN_OR_RETURN(lane.device_pool,
+                              DevicePool::Create(attn::MemorySpace::kDevice, device,
+                                                 config.memory_limit_bytes, gpu_wait));
       }
       lanes.push_back(std::move(lane));
     }
@@ -256,6 +257,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                   << (absl::StartsWith(config.listen, "unix") ? config.listen
                                                               : absl::StrCat("port ", self->port_))
                   << " (engines:" << engines << "; lanes: " << lane_count
+                  << (any_device ? absl::StrCat("; gpu_wait: ", config.gpu_wait) : "")
                   << (config.tls_cert_file.empty() ? "; plaintext" : "; TLS")
                   << (config.auth_token.empty() ? "" : "; bearer token required") << ")";
   return self;

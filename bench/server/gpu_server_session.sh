@@ -24,6 +24,13 @@
 #   shmunix    the same over a unix socket
 #   shmwide    `wide` with tensors in shared memory
 #   shmlarge   the large set with tensors in shared memory (needs ~0.5 GiB of /dev/shm)
+#   Lane and client variants of `shmunix`, small at 1 and 64, AttendStream only:
+#   sspin      the defaults (the baseline the variants below are read against)
+#   syield     --gpu_wait=yield       sblock   --gpu_wait=block
+#   slanes1    --lanes_per_device=1   slanes4  --lanes_per_device=4
+#   sblock4    --gpu_wait=block --lanes_per_device=4
+#   sstreams   the client's 64 requests over 64 streams on 16 connections (one in flight each)
+#   sconc      the defaults at 64 and 128 in flight
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:?set OUT}
@@ -52,6 +59,7 @@ bench() {  # bench NAME ENV...
   echo "exit $? ($name)"
 }
 
+shmstream="SETS=small SMALL_LEVELS=1,64 RPCS=stream LISTEN=unix CLIENT_ARGS=--shared_memory"
 IFS=, read -r -a run_list <<<"$runs"
 for run in "${run_list[@]}"; do
   case $run in
@@ -74,6 +82,14 @@ for run in "${run_list[@]}"; do
     shmunix) bench shmunix SETS=small LISTEN=unix CLIENT_ARGS=--shared_memory ;;
     shmwide) bench shmwide SETS=small SMALL_LEVELS=64 RPCS=stream STREAMS=32 CHANNELS=16 \
                CLIENT_ARGS=--shared_memory ;;
+    sspin) bench sspin $shmstream ;;
+    syield) bench syield $shmstream SERVER_ARGS=--gpu_wait=yield ;;
+    sblock) bench sblock $shmstream SERVER_ARGS=--gpu_wait=block ;;
+    slanes1) bench slanes1 $shmstream SERVER_ARGS=--lanes_per_device=1 ;;
+    slanes4) bench slanes4 $shmstream SERVER_ARGS=--lanes_per_device=4 ;;
+    sblock4) bench sblock4 $shmstream SERVER_ARGS="--gpu_wait=block --lanes_per_device=4" ;;
+    sstreams) bench sstreams $shmstream STREAMS=64 CHANNELS=16 ;;
+    sconc) bench sconc $shmstream SMALL_LEVELS=64,128 ;;
     shmlarge) bench shmlarge SETS=large LARGE_LEVELS=1,8 CLIENT_ARGS=--shared_memory ;;
     *) echo "unknown run $run" ;;
   esac

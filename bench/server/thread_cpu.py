@@ -2,12 +2,15 @@
 """CPU time of a running process, per thread name, from /proc (no perf needed).
 
   thread_cpu.py snapshot PID > before.json     # cumulative user+system seconds per thread
-  thread_cpu.py diff before.json after.json    # JSON: total and per-name seconds in between
+  thread_cpu.py diff before.json after.json    # JSON: total and per-name seconds in between,
+                                               # and the busiest thread of each name
 
 Threads are grouped by name with trailing digits and separators stripped (grpc's
 "default-executo" pool, our "attn-lane-0"/"attn-lane-1" -> "attn-lane"), so the diff says which
 part of the server spent the CPU: gRPC's transport and callback threads, the batcher's lanes,
-the lanes' copy helpers. Threads that exited between the snapshots are not counted.
+the lanes' copy helpers; "busiest" says whether one thread of a group was saturated (a
+serialised bottleneck) rather than the group as a whole. Threads that exited between the
+snapshots are not counted.
 """
 import json
 import os
@@ -38,12 +41,15 @@ def group(name):
 
 
 def diff(before, after):
-    groups = {}
+    groups, busiest = {}, {}
     for tid, t in after.items():
         spent = t["seconds"] - before.get(tid, {"seconds": 0})["seconds"]
-        groups[group(t["name"])] = groups.get(group(t["name"]), 0) + spent
+        name = group(t["name"])
+        groups[name] = groups.get(name, 0) + spent
+        busiest[name] = max(busiest.get(name, 0), spent)
     groups = {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1]) if v > 0}
-    return {"total_s": round(sum(groups.values()), 3), "threads": groups}
+    return {"total_s": round(sum(groups.values()), 3), "threads": groups,
+            "busiest": {k: round(busiest[k], 3) for k in groups}}
 
 
 def main(argv):

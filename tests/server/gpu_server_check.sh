@@ -12,7 +12,8 @@
 # Usage (GPU machine, programs from a gpu-bundle on PATH):
 #   DEVICES=0,1 OUT=/tmp/out bash tests/server/gpu_server_check.sh
 # Environment: DEVICES (default 0), METRICS_ADDRESS (default 127.0.0.1:0), OUT (where logs go; default a temporary folder),
-# ATTNSERVE / ATTNSERVE_CLIENT (default: found on PATH).
+# ATTNSERVE / ATTNSERVE_CLIENT (default: found on PATH), SERVER_ARGS (extra server flags, e.g.
+# --gpu_wait=block).
 set -euo pipefail
 
 server=${ATTNSERVE:-attnserve}
@@ -42,7 +43,8 @@ check() {  # check DESCRIPTION COMMAND...
 }
 
 "${server}" --listen=127.0.0.1:0 --port_file="${work}/port" --metrics_address="${METRICS_ADDRESS:-127.0.0.1:0}" \
-  --metrics_port_file="${work}/metrics_port" --devices="${devices}" >"${out}/server.log" 2>&1 &
+  --metrics_port_file="${work}/metrics_port" --devices="${devices}" ${SERVER_ARGS:-} \
+  >"${out}/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 300); do
   [[ -s ${work}/port && -s ${work}/metrics_port ]] && break
