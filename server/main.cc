@@ -19,6 +19,7 @@
 #include "server/config.h"
 #include "server/logging.h"
 #include "server/malloc_tuning.h"
+#include "server/mutex_tuning.h"
 #include "server/server.h"
 #include "server/termination_signal.h"
 
@@ -122,11 +123,7 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
 
 int main(int argc, char** argv) {
   attnserve::KeepFreedMemoryInTheHeap();
-#if defined(NDEBUG)
-  // The detector (on when Abseil itself was built without NDEBUG, as Debian's is) takes a
-  // global lock on every Mutex acquisition; the tests and sanitizer builds keep it.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-#endif
+  attnserve::SkipMutexDeadlockDetectionInOptimizedBuilds();
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::EndsWith(path, "server/main.cc");

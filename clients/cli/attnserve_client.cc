@@ -36,6 +36,7 @@
 #include "clients/cli/shared_memory_buffer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/malloc_tuning.h"
+#include "server/mutex_tuning.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(std::string, tls_ca_file, "", "Use TLS, trusting this PEM CA certificate");
@@ -526,6 +527,7 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
 
 int main(int argc, char** argv) {
   attnserve::KeepFreedMemoryInTheHeap();  // responses of tens of MiB, one after another
+  attnserve::SkipMutexDeadlockDetectionInOptimizedBuilds();  // the load generator's locks
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::EndsWith(path, "attnserve_client.cc");

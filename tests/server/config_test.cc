@@ -39,8 +39,7 @@ TEST(Config, OutOfRangeFlagsAreNamed) {
   EXPECT_EQ(batch.Validate().message(), "--max_batch_requests=0: must be >= 1");
   Config tls;
   tls.tls_cert_file = "cert.pem";
-  EXPECT_EQ(tls.Validate().message(),
-            "--tls_cert_file and --tls_key_file: give both or neither");
+  EXPECT_EQ(tls.Validate().message(), "--tls_cert_file and --tls_key_file: give both or neither");
 }
 
 }  // namespace
