@@ -23,7 +23,8 @@ struct Config {
   // 0: cores / (2 x lanes), between 1 and 4.
   int lane_threads = 0;
   // How a lane waits for its batch on the GPU: spin, yield or block (server/device_pool.h).
-  std::string gpu_wait = "spin";
+  // yield: as quick as spinning, and the core goes to gRPC's threads when they need it.
+  std::string gpu_wait = "yield";
 
   int64_t max_batch_tokens = 16384;
   int max_batch_requests = 32;

@@ -25,9 +25,11 @@
 
 namespace attnserve {
 
-// How a lane thread waits for its batch on the GPU (Synchronize). Spinning answers a few
-// microseconds sooner; it also keeps a core busy for the whole GPU round trip, a core the gRPC
-// threads need when the server is CPU-bound.
+// How a lane thread waits for its batch on the GPU (Synchronize). The server's default is
+// kYield: on the H200 machine it answered as fast as spinning at one request in flight and served
+// ~8% more batched small requests at 64, since a spinning lane holds a core for the whole GPU
+// round trip while gRPC's threads wait for one. kBlock added ~35 us per batch (the interrupt
+// wake-up). docs/server-performance.md has the runs.
 enum class DeviceWait {
   kSpin,   // cudaStreamSynchronize: the runtime polls (one context, many cores: it spins)
   kYield,  // poll an event, sched_yield between polls: runnable threads on the core go first

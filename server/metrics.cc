@@ -237,9 +237,23 @@ void Metrics::SetBuildInfo(std::string_view version, bool cuda) {
 }
 
 void Metrics::CountRequest(Method method, const absl::Status& status) {
-  requests_
-      ->Add({{"method", MethodLabel(method)}, {"code", absl::StatusCodeToString(status.code())}})
-      .Increment();
+  const int code = static_cast<int>(status.code());
+  const int m = static_cast<int>(method);
+  auto add = [&] {
+    return &requests_->Add(
+        {{"method", MethodLabel(method)}, {"code", absl::StatusCodeToString(status.code())}});
+  };
+  if (code < 0 || code >= kCodes || m >= kMethods) {
+    add()->Increment();
+    return;
+  }
+  std::atomic<prometheus::Counter*>& slot = request_counters_[m * kCodes + code];
+  prometheus::Counter* counter = slot.load(std::memory_order_acquire);
+  if (counter == nullptr) {  // Add returns the same child to every caller: a race is harmless
+    counter = add();
+    slot.store(counter, std::memory_order_release);
+  }
+  counter->Increment();
 }
 
 void Metrics::OnAccepted() { accepted_.fetch_add(1, std::memory_order_relaxed); }

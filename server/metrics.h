@@ -7,6 +7,7 @@
 // family mutex); none blocks on I/O.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -126,6 +127,10 @@ class Metrics {
 
   prometheus::Family<prometheus::Gauge>* build_info_;
   prometheus::Family<prometheus::Counter>* requests_;
+  // requests_'s child per (method, status code), looked up once: Family::Add hashes the labels
+  // under the family's lock, and every request ends with this count.
+  static constexpr int kMethods = 3, kCodes = 17;
+  std::array<std::atomic<prometheus::Counter*>, kMethods * kCodes> request_counters_{};
   prometheus::Gauge* in_flight_;
   prometheus::Gauge* queued_;
   prometheus::Gauge* shared_memory_regions_;

@@ -25,8 +25,8 @@
 #   shmwide    `wide` with tensors in shared memory
 #   shmlarge   the large set with tensors in shared memory (needs ~0.5 GiB of /dev/shm)
 #   Lane and client variants of `shmunix`, small at 1 and 64, AttendStream only:
-#   sspin      the defaults (the baseline the variants below are read against)
-#   syield     --gpu_wait=yield       sblock   --gpu_wait=block
+#   sdefault   the defaults (the baseline the variants below are read against)
+#   sspin      --gpu_wait=spin   syield  --gpu_wait=yield   sblock  --gpu_wait=block
 #   slanes1    --lanes_per_device=1   slanes4  --lanes_per_device=4
 #   sblock4    --gpu_wait=block --lanes_per_device=4
 #   sstreams   the client's 64 requests over 64 streams on 16 connections (one in flight each)
@@ -82,7 +82,8 @@ for run in "${run_list[@]}"; do
     shmunix) bench shmunix SETS=small LISTEN=unix CLIENT_ARGS=--shared_memory ;;
     shmwide) bench shmwide SETS=small SMALL_LEVELS=64 RPCS=stream STREAMS=32 CHANNELS=16 \
                CLIENT_ARGS=--shared_memory ;;
-    sspin) bench sspin $shmstream ;;
+    sdefault) bench sdefault $shmstream ;;
+    sspin) bench sspin $shmstream SERVER_ARGS=--gpu_wait=spin ;;
     syield) bench syield $shmstream SERVER_ARGS=--gpu_wait=yield ;;
     sblock) bench sblock $shmstream SERVER_ARGS=--gpu_wait=block ;;
     slanes1) bench slanes1 $shmstream SERVER_ARGS=--lanes_per_device=1 ;;
