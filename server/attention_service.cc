@@ -134,8 +134,10 @@ class AttendStreamReactor final
     call->response.set_request_id(call->request.request_id());
     {
       absl::MutexLock lock(&mu_);
-      ++outstanding_;
+      ++outstanding_;  // before the next read: its end must not finish the call under this one
     }
+    // The next message is read while this one is decoded and queued (incoming_ is free again).
+    StartRead(&incoming_);
     const absl::Status status = service_->Admit(
         Metrics::Method::kAttendStream, call->request, &call->response, DeadlineOf(*context_),
         cancelled_, [this, call](const absl::Status& s) { Complete(call, s); });
@@ -143,7 +145,6 @@ class AttendStreamReactor final
       service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
       Complete(call, status);
     }
-    StartRead(&incoming_);
   }
 
   void OnWriteDone(bool ok) override {
