@@ -283,18 +283,40 @@ void Metrics::OnPath(attn::EngineKind engine, PathReason reason, int requests) {
   path_->Add({{"path", PathLabel(engine)}, {"reason", ReasonLabel(reason)}}).Increment(requests);
 }
 
+const Metrics::LaunchSeries& Metrics::LaunchSeriesOf(attn::EngineKind engine) {
+  const int kind = static_cast<int>(engine);
+  if (const LaunchSeries* known = launch_series_[kind].load(std::memory_order_acquire)) {
+    return *known;
+  }
+  absl::MutexLock lock(&launch_series_mu_);
+  std::unique_ptr<LaunchSeries>& series = launch_series_storage_[kind];
+  if (series == nullptr) {
+    const std::string path = PathLabel(engine);
+    series = std::make_unique<LaunchSeries>(LaunchSeries{
+        &compute_->Add({{"path", path}}, LatencyBuckets()),
+        &batch_requests_->Add({{"path", path}}, RequestBuckets()),
+        &batch_tokens_->Add({{"path", path}}, TokenBuckets()),
+        &tokens_->Add({{"path", path}, {"kind", "query"}}),
+        &tokens_->Add({{"path", path}, {"kind", "key"}}),
+        &flops_->Add({{"path", path}}),
+        &fused_io_->Add({{"path", path}}),
+        &naive_io_->Add({{"path", path}}),
+    });
+    launch_series_[kind].store(series.get(), std::memory_order_release);
+  }
+  return *series;
+}
+
 void Metrics::OnLaunch(const Launch& launch) {
-  const std::string path = PathLabel(launch.engine);
-  compute_->Add({{"path", path}}, LatencyBuckets()).Observe(absl::ToDoubleSeconds(launch.compute));
-  batch_requests_->Add({{"path", path}}, RequestBuckets()).Observe(launch.requests);
-  batch_tokens_->Add({{"path", path}}, TokenBuckets())
-      .Observe(static_cast<double>(launch.query_tokens + launch.key_tokens));
-  tokens_->Add({{"path", path}, {"kind", "query"}})
-      .Increment(static_cast<double>(launch.query_tokens));
-  tokens_->Add({{"path", path}, {"kind", "key"}}).Increment(static_cast<double>(launch.key_tokens));
-  flops_->Add({{"path", path}}).Increment(launch.flops);
-  fused_io_->Add({{"path", path}}).Increment(static_cast<double>(launch.fused_io_bytes));
-  naive_io_->Add({{"path", path}}).Increment(static_cast<double>(launch.naive_io_bytes));
+  const LaunchSeries& series = LaunchSeriesOf(launch.engine);
+  series.compute->Observe(absl::ToDoubleSeconds(launch.compute));
+  series.batch_requests->Observe(launch.requests);
+  series.batch_tokens->Observe(static_cast<double>(launch.query_tokens + launch.key_tokens));
+  series.query_tokens->Increment(static_cast<double>(launch.query_tokens));
+  series.key_tokens->Increment(static_cast<double>(launch.key_tokens));
+  series.flops->Increment(launch.flops);
+  series.fused_io->Increment(static_cast<double>(launch.fused_io_bytes));
+  series.naive_io->Increment(static_cast<double>(launch.naive_io_bytes));
 }
 
 void Metrics::OnFinished(Method method, const absl::Status& status, absl::Duration queue,
@@ -317,14 +339,18 @@ void Metrics::OnPoolReserved(std::string_view device, Memory memory, int64_t del
 }
 
 void Metrics::OnPoolInUse(std::string_view device, Memory memory, int64_t delta_bytes) {
-  const prometheus::Labels labels = {{"device", std::string(device)},
-                                     {"memory", MemoryLabel(memory)}};
   absl::MutexLock lock(&memory_mu_);
-  auto& [in_use, peak] = pool_in_use_bytes_[{std::string(device), memory}];
-  in_use += delta_bytes;
-  peak = std::max(peak, in_use);
-  pool_in_use_->Add(labels).Set(static_cast<double>(in_use));
-  pool_peak_->Add(labels).Set(static_cast<double>(peak));
+  PoolBytes& pool = pool_in_use_bytes_[{std::string(device), memory}];
+  if (pool.in_use_gauge == nullptr) {
+    const prometheus::Labels labels = {{"device", std::string(device)},
+                                       {"memory", MemoryLabel(memory)}};
+    pool.in_use_gauge = &pool_in_use_->Add(labels);
+    pool.peak_gauge = &pool_peak_->Add(labels);
+  }
+  pool.in_use += delta_bytes;
+  pool.peak = std::max(pool.peak, pool.in_use);
+  pool.in_use_gauge->Set(static_cast<double>(pool.in_use));
+  pool.peak_gauge->Set(static_cast<double>(pool.peak));
 }
 
 void Metrics::OnDeviceMemory(std::string_view device, int64_t used_bytes, int64_t total_bytes) {

@@ -131,6 +131,23 @@ class Metrics {
   // under the family's lock, and every request ends with this count.
   static constexpr int kMethods = 3, kCodes = 17;
   std::array<std::atomic<prometheus::Counter*>, kMethods * kCodes> request_counters_{};
+  // Every per-launch series of one path, looked up once per engine kind (OnLaunch runs per batch).
+  struct LaunchSeries {
+    prometheus::Histogram* compute;
+    prometheus::Histogram* batch_requests;
+    prometheus::Histogram* batch_tokens;
+    prometheus::Counter* query_tokens;
+    prometheus::Counter* key_tokens;
+    prometheus::Counter* flops;
+    prometheus::Counter* fused_io;
+    prometheus::Counter* naive_io;
+  };
+  static constexpr int kEngineKinds = 4;
+  const LaunchSeries& LaunchSeriesOf(attn::EngineKind engine);
+  absl::Mutex launch_series_mu_;
+  std::array<std::atomic<const LaunchSeries*>, kEngineKinds> launch_series_{};
+  std::array<std::unique_ptr<LaunchSeries>, kEngineKinds> launch_series_storage_
+      ABSL_GUARDED_BY(launch_series_mu_);
   prometheus::Gauge* in_flight_;
   prometheus::Gauge* queued_;
   prometheus::Gauge* shared_memory_regions_;
@@ -154,7 +171,13 @@ class Metrics {
 
   // In-use bytes and their peak per (device, memory), and device used-memory peaks.
   absl::Mutex memory_mu_;
-  std::map<std::pair<std::string, Memory>, std::pair<int64_t, int64_t>> pool_in_use_bytes_
+  struct PoolBytes {
+    int64_t in_use = 0;
+    int64_t peak = 0;
+    prometheus::Gauge* in_use_gauge = nullptr;  // looked up once: every batch moves these
+    prometheus::Gauge* peak_gauge = nullptr;
+  };
+  std::map<std::pair<std::string, Memory>, PoolBytes> pool_in_use_bytes_
       ABSL_GUARDED_BY(memory_mu_);
   std::map<std::string, int64_t> device_used_peak_ ABSL_GUARDED_BY(memory_mu_);
 
