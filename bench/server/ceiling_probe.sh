@@ -8,7 +8,9 @@
 #
 #   source build/server-bundle/env.sh; OUT=$OUT bash bench/server/ceiling_probe.sh
 #
-# Environment: OUT (required), SERVER_ARGS (extra server flags), DURATION (default 3s).
+# Environment: OUT (required), SERVER (the server binary, default attnserve on PATH), SERVER_ARGS
+# (extra server flags), DURATION (default 3s), PROBES (which probes, default all), PERF (0: no
+# profile).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:?set OUT}
@@ -18,7 +20,7 @@ sock=$work/attnserve.sock
 read -r -a server_args <<<"${SERVER_ARGS:-}"
 shape=(--dtype=float16 --batch=1 --seqlen_q=64 --seqlen_k=64 --heads=8 --head_dim=64)
 
-attnserve --listen="unix:$sock" --metrics_address= "${server_args[@]}" >"$out/probe-server.log" 2>&1 &
+"${SERVER:-attnserve}" --listen="unix:$sock" --metrics_address= "${server_args[@]}" >"$out/probe-server.log" 2>&1 &
 server=$!
 trap 'kill -KILL $server 2>/dev/null; rm -rf "$work"' EXIT
 for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.1; done
@@ -42,6 +44,7 @@ bench 64 8 4 >/dev/null 2>&1  # warm: regions registered, pools grown, pages tou
 printf '| probe | clients x (in flight, streams, connections) | req/s | server cores | client cores |\n|---|---|---|---|---|\n' >"$out/probe.md"
 probe() {  # probe NAME PROCESSES CONCURRENCY STREAMS CHANNELS
   local name=$1 procs=$2
+  [[ ,${PROBES:-$name}, == *,$name,* ]] || return 0
   run() {
     local pids=()
     for i in $(seq "$procs"); do
@@ -69,7 +72,7 @@ probe procs4 4 16 4 4
 probe base128 1 128 16 8
 probe procs2x64 2 64 8 4
 
-if command -v perf >/dev/null; then
+if [[ ${PERF:-1} != 0 ]] && command -v perf >/dev/null; then
   perf record -F 499 -p $server -o "$work/server.perf" -- sleep 2 >/dev/null 2>&1 &
   perfpid=$!
   bench 64 8 4 >"$out/perf-bench.json" 2>/dev/null &
