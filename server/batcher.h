@@ -58,7 +58,7 @@ struct WorkItem {
   Metrics::Method method = Metrics::Method::kAttend;             // for the metrics' labels
   Metrics::PathReason path_reason = Metrics::PathReason::kAuto;  // why this engine
   std::shared_ptr<const std::atomic<bool>> cancelled;            // set when the client goes away
-  // Runs exactly once, on a lane thread or its completion thread, after which the batcher
+  // Runs exactly once, on a lane thread or one of its completion threads, after which the batcher
   // forgets the item.
   std::function<void(const absl::Status&)> done;
 };
