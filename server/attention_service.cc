@@ -134,10 +134,8 @@ class AttendStreamReactor final
     call->response.set_request_id(call->request.request_id());
     {
       absl::MutexLock lock(&mu_);
-      ++outstanding_;  // before the next read: its end must not finish the call under this one
+      ++outstanding_;
     }
-    // The next message is read while this one is decoded and queued (incoming_ is free again).
-    StartRead(&incoming_);
     const absl::Status status = service_->Admit(
         Metrics::Method::kAttendStream, call->request, &call->response, DeadlineOf(*context_),
         cancelled_, [this, call](const absl::Status& s) { Complete(call, s); });
@@ -145,6 +143,7 @@ class AttendStreamReactor final
       service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
       Complete(call, status);
     }
+    StartRead(&incoming_);
   }
 
   void OnWriteDone(bool ok) override {
