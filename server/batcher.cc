@@ -342,7 +342,7 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& 
     for (size_t i = first; i < std::min(live.size(), first + per_share); ++i) {
       share->push_back(std::move(live[i]));
     }
-    completions.Post([finish, share]() mutable { finish(*share); });
+    completions.Post([finish, share] { finish(*share); });
   }
 }
 
