@@ -1,7 +1,6 @@
 #include "server/attention_service.h"
 
 #include <chrono>
-#include <deque>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,12 +11,6 @@
 
 namespace attnserve {
 namespace {
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
 
 // Compares without an early exit, so response time does not reveal a matching prefix.
 bool SameSecret(std::string_view a, std::string_view b) {
@@ -49,9 +42,9 @@ class AttendReactor final : public grpc::ServerUnaryReactor {
     response->set_request_id(request->request_id());
     absl::Status status = service->CheckCall(*context);
     if (status.ok()) {
-      status =
-          service->Admit(Metrics::Method::kAttend, *request, response, DeadlineOf(*context),
-                         cancelled_, [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
+      status = service->Admit(Metrics::Method::kAttend, *request, response,
+                              AttentionService::DeadlineOf(*context), cancelled_,
+                              [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
     }
     if (!status.ok()) {
       service->metrics()->OnRejected(Metrics::Method::kAttend, status);
@@ -77,7 +70,8 @@ class AttendBackwardReactor final : public grpc::ServerUnaryReactor {
     response->set_request_id(request->forward().request_id());
     absl::Status status = service->CheckCall(*context);
     if (status.ok()) {
-      status = service->AdmitBackward(*request, response, DeadlineOf(*context), cancelled_,
+      status = service->AdmitBackward(*request, response, AttentionService::DeadlineOf(*context),
+                                      cancelled_,
                                       [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
     }
     if (!status.ok()) {
@@ -95,144 +89,6 @@ class AttendBackwardReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
-// One AttendStream call. Each request read is admitted like a unary call; responses are written
-// one at a time in completion order, tagged by request_id. A failed request becomes a response
-// carrying `error`, and the stream goes on. The stream finishes when the client has half-closed
-// and every admitted request has been answered.
-class AttendStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
- public:
-  AttendStreamReactor(AttentionService* service, grpc::CallbackServerContext* context)
-      : service_(service),
-        context_(context),
-        cancelled_(std::make_shared<std::atomic<bool>>(false)) {
-    const absl::Status status = service_->CheckCall(*context_);
-    if (!status.ok()) {
-      service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
-      {
-        absl::MutexLock lock(&mu_);
-        finished_ = true;
-      }
-      Finish(ToGrpcStatus(status));
-      return;
-    }
-    StartRead(&incoming_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      {
-        absl::MutexLock lock(&mu_);
-        reads_done_ = true;
-      }
-      MaybeFinish();
-      return;
-    }
-    auto call = std::make_shared<Call>();
-    call->request = std::move(incoming_);
-    incoming_.Clear();
-    call->response.set_request_id(call->request.request_id());
-    {
-      absl::MutexLock lock(&mu_);
-      ++outstanding_;
-    }
-    const absl::Status status = service_->Admit(
-        Metrics::Method::kAttendStream, call->request, &call->response, DeadlineOf(*context_),
-        cancelled_, [this, call](const absl::Status& s) { Complete(call, s); });
-    if (!status.ok()) {
-      service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
-      Complete(call, status);
-    }
-    StartRead(&incoming_);
-  }
-
-  void OnWriteDone(bool ok) override {
-    bool write_next = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (!ok) {
-        pending_writes_.clear();  // the client is gone
-        broken_ = true;
-      }
-      if (!pending_writes_.empty()) {
-        writing_ = std::move(pending_writes_.front());
-        pending_writes_.pop_front();
-        write_next = true;
-      } else {
-        write_in_flight_ = false;
-      }
-    }
-    if (write_next) {
-      StartWrite(&writing_);
-    } else {
-      MaybeFinish();
-    }
-  }
-
-  void OnCancel() override { cancelled_->store(true); }
-  void OnDone() override { delete this; }
-
- private:
-  struct Call {
-    v1::AttendRequest request;
-    v1::AttendResponse response;
-  };
-
-  void Complete(const std::shared_ptr<Call>& call, const absl::Status& status) {
-    if (!status.ok()) {
-      call->response.Clear();
-      call->response.set_request_id(call->request.request_id());
-      call->response.mutable_error()->set_code(static_cast<int>(status.code()));
-      call->response.mutable_error()->set_message(std::string(status.message()));
-    }
-    bool write_now = false;
-    {
-      absl::MutexLock lock(&mu_);
-      --outstanding_;
-      if (!broken_ && !cancelled_->load()) {
-        if (write_in_flight_) {
-          pending_writes_.push_back(std::move(call->response));
-        } else {
-          writing_ = std::move(call->response);
-          write_in_flight_ = true;
-          write_now = true;
-        }
-      }
-    }
-    if (write_now) {
-      StartWrite(&writing_);
-    } else {
-      MaybeFinish();
-    }
-  }
-
-  // Finishes once nothing is left to read, run or write. Must be the caller's last action:
-  // OnDone may delete the reactor as soon as Finish is called.
-  void MaybeFinish() {
-    {
-      absl::MutexLock lock(&mu_);
-      const bool idle = outstanding_ == 0 && !write_in_flight_ && pending_writes_.empty();
-      if (finished_ || !reads_done_ || !idle) return;
-      finished_ = true;
-    }
-    Finish(cancelled_->load() ? grpc::Status::CANCELLED : grpc::Status::OK);
-  }
-
-  AttentionService* const service_;
-  grpc::CallbackServerContext* const context_;
-  const std::shared_ptr<std::atomic<bool>> cancelled_;
-  v1::AttendRequest incoming_;  // only touched by the read chain
-
-  absl::Mutex mu_;
-  int outstanding_ ABSL_GUARDED_BY(mu_) = 0;
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  v1::AttendResponse writing_;  // owned by the write in flight
-  std::deque<v1::AttendResponse> pending_writes_ ABSL_GUARDED_BY(mu_);
-};
-
 }  // namespace
 
 AttentionService::AttentionService(Options options,
@@ -248,7 +104,13 @@ AttentionService::AttentionService(Options options,
   for (const auto& e : probes_) kinds_.push_back(e->kind());
 }
 
-absl::Status AttentionService::CheckCall(const grpc::CallbackServerContext& context) const {
+absl::Time AttentionService::DeadlineOf(const grpc::ServerContextBase& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+absl::Status AttentionService::CheckCall(const grpc::ServerContextBase& context) const {
   if (!options_.auth_token.empty()) {
     const auto& metadata = context.client_metadata();
     const auto it = metadata.find("authorization");
@@ -350,11 +212,6 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
                                                    const v1::AttendRequest* request,
                                                    v1::AttendResponse* response) {
   return new AttendReactor(this, context, request, response);
-}
-
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
-    grpc::CallbackServerContext* context) {
-  return new AttendStreamReactor(this, context);
 }
 
 grpc::ServerUnaryReactor* AttentionService::AttendBackward(grpc::CallbackServerContext* context,

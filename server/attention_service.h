@@ -1,6 +1,7 @@
-// The attnserve.v1.AttentionService on gRPC's callback API. Reactors never block: they check
-// the call (token, draining), decode and validate the request, pick the engine, and hand a
-// WorkItem to the Batcher; the lane thread that runs the batch finishes the RPC.
+// The attnserve.v1.AttentionService on gRPC's callback API, except AttendStream, which runs on
+// completion queues (server/stream_frontend.h says why). Handlers never block: they check the
+// call (token, draining), decode and validate the request, pick the engine, and hand a WorkItem
+// to the Batcher; the lane thread that runs the batch finishes the RPC.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -22,7 +23,16 @@
 
 namespace attnserve {
 
-class AttentionService final : public v1::AttentionService::CallbackService {
+// Every method on the callback API but AttendStream, which StreamFrontend serves.
+using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_Attend<
+    v1::AttentionService::WithAsyncMethod_AttendStream<
+        v1::AttentionService::WithCallbackMethod_AttendBackward<
+            v1::AttentionService::WithCallbackMethod_GetServerInfo<
+                v1::AttentionService::WithCallbackMethod_RegisterSharedMemory<
+                    v1::AttentionService::WithCallbackMethod_UnregisterSharedMemory<
+                        v1::AttentionService::Service>>>>>>;
+
+class AttentionService final : public AttentionServiceBase {
  public:
   struct Options {
     std::string auth_token;  // empty: no authentication
@@ -39,8 +49,6 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
                                    v1::AttendResponse* response) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
-      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* AttendBackward(grpc::CallbackServerContext* context,
                                            const v1::AttendBackwardRequest* request,
                                            v1::AttendBackwardResponse* response) override;
@@ -57,8 +65,10 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // From now on new requests get UNAVAILABLE; accepted ones run to the end.
   void StartDraining() { draining_.store(true); }
 
-  // Used by the reactors.
-  absl::Status CheckCall(const grpc::CallbackServerContext& context) const;
+  // Used by the reactors and StreamFrontend.
+  absl::Status CheckCall(const grpc::ServerContextBase& context) const;
+  // The call's deadline; InfiniteFuture when it has none.
+  static absl::Time DeadlineOf(const grpc::ServerContextBase& context);
   // CheckCall, then shared memory enabled and the peer on this host.
   absl::Status CheckSharedMemoryCall(const grpc::CallbackServerContext& context) const;
   // Validates the request and queues it; `done` runs once the response is filled (OK) or the

@@ -20,6 +20,9 @@ absl::Status Config::Validate() const {
     return bad("lanes_per_device", lanes_per_device, "must be in [0, 16]");
   }
   if (absl::Status s = ParseDeviceWait(gpu_wait).status(); !s.ok()) return s;
+  if (stream_threads < 0 || stream_threads > 64) {
+    return bad("stream_threads", stream_threads, "must be in [0, 64]");
+  }
   if (cpu_threads < 0) return bad("cpu_threads", cpu_threads, "must be >= 0");
   if (max_batch_tokens < 1) return bad("max_batch_tokens", max_batch_tokens, "must be >= 1");
   if (max_batch_requests < 1) {

@@ -25,6 +25,9 @@ struct Config {
   // How a lane waits for its batch on the GPU: spin, yield or block (server/device_pool.h).
   // yield: as quick as spinning, and the core goes to gRPC's threads when they need it.
   std::string gpu_wait = "yield";
+  // Completion queues (one polling thread each) serving AttendStream; 0: cores / 2, between 1
+  // and 8.
+  int stream_threads = 0;
 
   int64_t max_batch_tokens = 16384;
   int max_batch_requests = 32;

@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, gpu_wait, "yield",
           "How a lane waits for its batch on the GPU: yield (polls, giving the core to other "
           "runnable threads), spin (polls without yielding) or block (sleeps until the GPU's "
           "interrupt: ~35 us more per batch on the H200 machine)");
+ABSL_FLAG(int, stream_threads, 0,
+          "Threads serving AttendStream, each polling its own gRPC completion queue; "
+          "0 = cores / 2, between 1 and 8");
 ABSL_FLAG(int, cpu_threads, 0, "CPU engine threads; 0 = all cores");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384,
           "A batch closes when its query + key tokens reach this");
@@ -90,6 +93,7 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   c.lanes_per_device = absl::GetFlag(FLAGS_lanes_per_device);
   c.lane_threads = absl::GetFlag(FLAGS_lane_threads);
   c.gpu_wait = absl::GetFlag(FLAGS_gpu_wait);
+  c.stream_threads = absl::GetFlag(FLAGS_stream_threads);
   c.grpc_args = absl::GetFlag(FLAGS_grpc_arg);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);

@@ -237,12 +237,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     }
   }
   builder.RegisterService(self->service_.get());
+  const int stream_threads =
+      config.stream_threads > 0
+          ? config.stream_threads
+          : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 8);
+  self->stream_frontend_ = std::make_unique<StreamFrontend>(self->service_.get(), stream_threads);
+  self->stream_frontend_->AddQueues(&builder);
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr || self->port_ == 0) {
+    self->stream_frontend_->Stop();
     self->batcher_->Stop();
     return absl::UnavailableError(
         absl::StrCat("--listen=", config.listen, ": cannot listen there"));
   }
+  self->stream_frontend_->Start();
   grpc::HealthCheckServiceInterface* health = self->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
@@ -269,6 +277,7 @@ void Server::Drain() {
   if (drained_) return;
   drained_ = true;
   if (server_ == nullptr) {  // Start failed half-way
+    if (stream_frontend_ != nullptr) stream_frontend_->Stop();
     if (batcher_ != nullptr) batcher_->Stop();
     return;
   }
@@ -281,6 +290,7 @@ void Server::Drain() {
   server_->Shutdown(absl::ToChronoTime(absl::Now() + config_.drain_timeout));
   batcher_->Stop();
   server_->Wait();
+  stream_frontend_->Stop();  // every stream is over; its queues drain empty
   const v1::Stats stats = metrics_.Snapshot();
   ATTN_LOG(kInfo) << "drained: " << stats.requests_accepted() << " accepted, "
                   << stats.requests_completed() << " completed, " << stats.requests_failed()

@@ -11,6 +11,7 @@
 #include "server/batcher.h"
 #include "server/config.h"
 #include "server/metrics.h"
+#include "server/stream_frontend.h"
 
 namespace attnserve {
 
@@ -33,6 +34,7 @@ class Server {
   Metrics metrics_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<StreamFrontend> stream_frontend_;
   std::unique_ptr<grpc::Server> server_;
   bool drained_ = false;
 };

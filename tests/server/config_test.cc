@@ -34,6 +34,9 @@ TEST(Config, OutOfRangeFlagsAreNamed) {
   Config lanes;
   lanes.lanes_per_device = 17;
   EXPECT_EQ(lanes.Validate().message(), "--lanes_per_device=17: must be in [0, 16]");
+  Config streams;
+  streams.stream_threads = -1;
+  EXPECT_EQ(streams.Validate().message(), "--stream_threads=-1: must be in [0, 64]");
   Config batch;
   batch.max_batch_requests = 0;
   EXPECT_EQ(batch.Validate().message(), "--max_batch_requests=0: must be >= 1");

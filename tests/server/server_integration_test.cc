@@ -686,6 +686,28 @@ TEST(ServerIntegration, BearerTokenIsRequiredWhenConfigured) {
     status = right_stub->Attend(&context, request, &response);
     EXPECT_TRUE(status.ok()) << status.error_message();
   }
+  {  // AttendStream checks the token when the stream opens
+    grpc::ClientContext context;
+    wrong_factory.Prepare(&context);
+    auto stream = wrong_stub->AttendStream(&context);
+    stream->Write(request);
+    stream->WritesDone();
+    v1::AttendResponse ignored;
+    while (stream->Read(&ignored)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext context;
+    right_factory.Prepare(&context);
+    auto stream = right_stub->AttendStream(&context);
+    ASSERT_TRUE(stream->Write(request));
+    ASSERT_TRUE(stream->WritesDone());
+    v1::AttendResponse streamed;
+    ASSERT_TRUE(stream->Read(&streamed));
+    EXPECT_TRUE(client::CheckAgainstReference(request, streamed).ok());
+    EXPECT_TRUE(stream->Finish().ok());
+  }
   // Health stays open for probes.
   auto health = grpc::health::v1::Health::NewStub(c.channel);
   grpc::ClientContext context;
@@ -730,6 +752,81 @@ TEST(ServerIntegration, StreamPipelinesRequestsAndTagsResponses) {
   EXPECT_EQ(got["bad"].error().code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
   EXPECT_TRUE(absl::StartsWith(got["bad"].error().message(), "q.data"))
       << got["bad"].error().message();
+}
+
+TEST(ServerIntegration, CancelledStreamDropsItsQueuedRequestsAndTheServerStaysUp) {
+  Connection c = Connect({"--max_queue_delay=300ms", "--max_batch_requests=64"});
+  {
+    grpc::ClientContext context;
+    c.factory->Prepare(&context, absl::Seconds(30));
+    auto stream = c.stub->AttendStream(&context);
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(stream->Write(client::MakeRandomRequest(
+          Shape(attn::DType::kF32, 1, 16, 16, 2, 2, 32, false, false, false), 40 + i,
+          absl::StrCat("c", i))));
+    }
+    absl::SleepFor(absl::Milliseconds(50));  // admitted, waiting for their batch to close
+    context.TryCancel();
+    v1::AttendResponse response;
+    while (stream->Read(&response)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  v1::ServerInfo info;
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
+    info = c.Info();
+    if (info.stats().requests_failed() + info.stats().requests_completed() >= 3) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(info.stats().requests_accepted(), 3u);
+  EXPECT_EQ(info.stats().requests_failed(), 3u);
+  EXPECT_EQ(info.stats().batches(), 0u);
+
+  // The next stream on the same connection is served.
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(30));
+  auto stream = c.stub->AttendStream(&context);
+  const v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF16, 1, 5, 9, 2, 1, 64, true, false, true), 44, "after");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->WritesDone());
+  v1::AttendResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.request_id(), "after");
+  EXPECT_TRUE(client::CheckAgainstReference(request, response).ok());
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST(ServerIntegration, SigtermAnswersEveryRequestAnOpenStreamSent) {
+  Connection c = Connect({"--max_queue_delay=200ms", "--drain_timeout=20s"});
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(60));
+  auto stream = c.stub->AttendStream(&context);
+  std::map<std::string, v1::AttendRequest> sent;
+  for (int i = 0; i < 8; ++i) {
+    const v1::AttendRequest r = client::MakeRandomRequest(
+        Shape(attn::DType::kBF16, 1, 7 + i, 12, 4, 2, 32, i % 2 == 0, false, false), 60 + i,
+        absl::StrCat("d", i));
+    ASSERT_TRUE(stream->Write(r));
+    sent[r.request_id()] = r;
+  }
+  absl::SleepFor(absl::Milliseconds(50));
+  c.server->Signal(SIGTERM);
+  // The drain waits for the stream: every request it sent is answered, then it half-closes.
+  v1::AttendResponse response;
+  for (size_t n = 0; n < sent.size(); ++n) {
+    ASSERT_TRUE(stream->Read(&response)) << c.server->log();
+    const auto it = sent.find(response.request_id());
+    ASSERT_NE(it, sent.end()) << response.request_id();
+    EXPECT_FALSE(response.has_error()) << response.error().message();
+    EXPECT_TRUE(client::CheckAgainstReference(it->second, response).ok()) << it->first;
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_FALSE(stream->Read(&response));
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(c.server->Wait(absl::Seconds(30)), 0) << c.server->log();
+  EXPECT_TRUE(absl::StrContains(c.server->log(), "drained: 8 accepted, 8 completed, 0 failed"))
+      << c.server->log();
 }
 
 TEST(ServerIntegration, SigtermDuringLoadLosesNoAcceptedRequest) {
@@ -822,7 +919,8 @@ TEST(ServerIntegration, TlsServesWithTheGivenCertificate) {
 }
 
 TEST(ServerIntegration, CommandLineClientChecksAgainstTheReference) {
-  Connection c = Connect({});
+  // Two AttendStream threads: the streams below are spread over their queues.
+  Connection c = Connect({"--stream_threads=2"});
   const std::string base = absl::StrCat(ATTN_CLIENT_BINARY, " --target=", c.server->target());
   EXPECT_EQ(std::system((base + " health >/dev/null").c_str()), 0);
   EXPECT_EQ(std::system((base + " info --json >/dev/null").c_str()), 0);
