@@ -7,7 +7,8 @@
 #   source build/server-bundle/env.sh
 #   OUT=$OUT SERVERS="prev=/path/attnserve_prev,new=attnserve" bash bench/server/ab_session.sh
 #
-# A SERVERS entry may name the client too: name=server+client (default attnserve_client on PATH).
+# A SERVERS entry may name the client too: name=server+client (default $CLIENT, else
+# attnserve_client on PATH).
 #
 # Environment: OUT (required), SERVERS (name=binary,... required), REPS (default 2), LEVELS
 # (default 1,64,128), DURATION (default 3s), SERVER_ARGS (for every server), VARIANTS (extra
@@ -22,7 +23,7 @@ levels=${LEVELS:-1,64,128}
 IFS=, read -r -a servers <<<"${SERVERS:?set SERVERS=name=binary,...}"
 
 turn() {  # turn NAME SERVER[+CLIENT] SERVER_ARGS
-  local dir=$out/ab-$1 server=${2%%+*} client=attnserve_client
+  local dir=$out/ab-$1 server=${2%%+*} client=${CLIENT:-$(command -v attnserve_client)}
   [[ $2 == *+* ]] && client=${2#*+}
   env OUT="$dir" SERVER="$server" CLIENT="$client" SERVER_ARGS="$3" DURATION="${DURATION:-3s}" LEVEL_TIMEOUT=60 \
     SETS=small SMALL_LEVELS="$levels" RPCS=stream LISTEN=unix CLIENT_ARGS=--shared_memory \
