@@ -103,10 +103,12 @@ class StreamCall final : public std::enable_shared_from_this<StreamCall> {
       absl::MutexLock lock(&mu_);
       ++outstanding_;
     }
-    const absl::Status status = service_->Admit(
-        Metrics::Method::kAttendStream, request->request, &request->response,
-        AttentionService::DeadlineOf(context_), cancelled_,
-        [self = shared_from_this(), request](const absl::Status& s) { self->Complete(request, s); });
+    const absl::Status status =
+        service_->Admit(Metrics::Method::kAttendStream, request->request, &request->response,
+                        AttentionService::DeadlineOf(context_), cancelled_,
+                        [self = shared_from_this(), request](const absl::Status& s) {
+                          self->Complete(request, s);
+                        });
     if (!status.ok()) {
       service_->metrics()->OnRejected(Metrics::Method::kAttendStream, status);
       Complete(request, status);
