@@ -829,6 +829,28 @@ TEST(ServerIntegration, SigtermAnswersEveryRequestAnOpenStreamSent) {
       << c.server->log();
 }
 
+TEST(ServerIntegration, AStreamLeftOpenIsCancelledAtTheDrainDeadline) {
+  Connection c = Connect({"--drain_timeout=1s"});
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(60));
+  auto stream = c.stub->AttendStream(&context);
+  const v1::AttendRequest request = client::MakeRandomRequest(
+      Shape(attn::DType::kF32, 1, 8, 8, 2, 2, 32, false, false, false), 70, "open");
+  ASSERT_TRUE(stream->Write(request));
+  v1::AttendResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_TRUE(client::CheckAgainstReference(request, response).ok());
+  // The client never half-closes: the drain waits its second, then cancels the stream.
+  const absl::Time signalled = absl::Now();
+  c.server->Signal(SIGTERM);
+  EXPECT_EQ(c.server->Wait(absl::Seconds(20)), 0) << c.server->log();
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(10));
+  EXPECT_FALSE(stream->Read(&response));
+  EXPECT_FALSE(stream->Finish().ok());
+  EXPECT_TRUE(absl::StrContains(c.server->log(), "drained: 1 accepted, 1 completed, 0 failed"))
+      << c.server->log();
+}
+
 TEST(ServerIntegration, SigtermDuringLoadLosesNoAcceptedRequest) {
   Connection c = Connect({"--max_queue_delay=5ms", "--drain_timeout=20s"});
   std::atomic<bool> stop{false};
