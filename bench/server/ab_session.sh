@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Same-call A/B of server binaries on the small set (shared-memory tensors, unix socket,
-# AttendStream; docs/server-performance.md): the servers take turns, REPS rounds, each turn a
-# server_bench.sh run with batching on and off at the LEVELS. Instances of the GPU machine
-# differ by 10-30%, so only rows from one call are compared.
+# Same-call A/B of server binaries on the small set (by default shared-memory tensors, a unix
+# socket, AttendStream; docs/server-performance.md): the servers take turns, REPS rounds, each
+# turn a server_bench.sh run with batching on and off at the LEVELS. Instances of the GPU
+# machine differ by 10-30%, so only rows from one call are compared.
 #
 #   source build/server-bundle/env.sh
 #   OUT=$OUT SERVERS="prev=/path/attnserve_prev,new=attnserve" bash bench/server/ab_session.sh
@@ -11,8 +11,10 @@
 # attnserve_client on PATH).
 #
 # Environment: OUT (required), SERVERS (name=binary,... required), REPS (default 2), LEVELS
-# (default 1,64,128), DURATION (default 3s), SERVER_ARGS (for every server), VARIANTS (extra
-# turns after the rounds: name=binary:flag[:flag...],... e.g. "t4=attnserve:--stream_threads=4").
+# (default 1,64,128), DURATION (default 3s), SERVER_ARGS (for every server), RPCS (default
+# stream; unary), LISTEN (default unix; tcp), CLIENT_ARGS (default --shared_memory; empty:
+# tensors inline), VARIANTS (extra turns after the rounds: name=binary:flag[:flag...],... e.g.
+# "t4=attnserve:--stream_threads=4").
 # Writes $OUT/ab-<name>-<round>/ (server_bench.sh output) and prints one table last.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -26,7 +28,8 @@ turn() {  # turn NAME SERVER[+CLIENT] SERVER_ARGS
   local dir=$out/ab-$1 server=${2%%+*} client=${CLIENT:-$(command -v attnserve_client)}
   [[ $2 == *+* ]] && client=${2#*+}
   env OUT="$dir" SERVER="$server" CLIENT="$client" SERVER_ARGS="$3" DURATION="${DURATION:-3s}" LEVEL_TIMEOUT=60 \
-    SETS=small SMALL_LEVELS="$levels" RPCS=stream LISTEN=unix CLIENT_ARGS=--shared_memory \
+    SETS=small SMALL_LEVELS="$levels" RPCS="${RPCS:-stream}" LISTEN="${LISTEN:-unix}" \
+    CLIENT_ARGS="${CLIENT_ARGS---shared_memory}" \
     timeout 300 bash "$here/server_bench.sh" >"$dir.log" 2>&1
   echo "turn $1: exit $?"
 }
