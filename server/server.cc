@@ -245,6 +245,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   self->stream_frontend_->AddQueues(&builder);
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr || self->port_ == 0) {
+    if (self->server_ != nullptr) {  // started without a port: down before its queues
+      self->server_->Shutdown();
+      self->server_->Wait();
+      self->server_.reset();
+    }
     self->stream_frontend_->Stop();
     self->batcher_->Stop();
     return absl::UnavailableError(
