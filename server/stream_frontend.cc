@@ -244,11 +244,12 @@ void StreamFrontend::Start() {
 void StreamFrontend::Stop() {
   if (stopped_) return;
   stopped_ = true;
+  // Never started (the server did not build): nothing was asked of the queues, and destroying
+  // them shuts them down; the C++ Shutdown would complain that the discarded server still
+  // holds them.
+  if (threads_.empty()) return;
   for (auto& queue : queues_) queue->Shutdown();
   for (std::thread& t : threads_) t.join();
-  if (threads_.empty()) {  // never started: nothing pending, but a queue must be drained
-    for (auto& queue : queues_) Poll(queue.get());
-  }
 }
 
 }  // namespace attnserve

@@ -851,6 +851,20 @@ TEST(ServerIntegration, AStreamLeftOpenIsCancelledAtTheDrainDeadline) {
       << c.server->log();
 }
 
+TEST(ServerIntegration, AnAddressThatCannotBeListenedOnIsNamed) {
+  // The shell's `echo` makes the exit status part of the output (RunAndCapture wants 0).
+  const std::string out = RunAndCapture(absl::StrCat(
+      ATTN_SERVER_BINARY, " --listen=unix:/nonexistent-attnserve-dir/s.sock --metrics_address= ",
+      "--cpu_threads=1 2>&1; echo \"exit $?\""));
+  EXPECT_TRUE(absl::StrContains(
+      out, "--listen=unix:/nonexistent-attnserve-dir/s.sock: cannot listen there"))
+      << out;
+  EXPECT_TRUE(absl::StrContains(out, "exit 1")) << out;
+  // Nothing else complains on the way out (the stream queues were never started).
+  EXPECT_FALSE(absl::StrContains(out, "CompletionQueue")) << out;
+  EXPECT_FALSE(absl::StrContains(out, "Sanitizer")) << out;
+}
+
 TEST(ServerIntegration, SigtermDuringLoadLosesNoAcceptedRequest) {
   Connection c = Connect({"--max_queue_delay=5ms", "--drain_timeout=20s"});
   std::atomic<bool> stop{false};
