@@ -129,7 +129,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   // requests_'s child per (method, status code), looked up once: Family::Add hashes the labels
   // under the family's lock, and every request ends with this count.
-  static constexpr int kMethods = 3, kCodes = 17;
+  static constexpr int kMethods = static_cast<int>(Method::kAttendBackward) + 1, kCodes = 17;
   std::array<std::atomic<prometheus::Counter*>, kMethods * kCodes> request_counters_{};
   // Every per-launch series of one path, looked up once per engine kind (OnLaunch runs per batch).
   struct LaunchSeries {
@@ -142,7 +142,7 @@ class Metrics {
     prometheus::Counter* fused_io;
     prometheus::Counter* naive_io;
   };
-  static constexpr int kEngineKinds = 4;
+  static constexpr int kEngineKinds = static_cast<int>(attn::EngineKind::kCudaNaive) + 1;
   const LaunchSeries& LaunchSeriesOf(attn::EngineKind engine);
   absl::Mutex launch_series_mu_;
   std::array<std::atomic<const LaunchSeries*>, kEngineKinds> launch_series_{};

@@ -245,12 +245,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   self->stream_frontend_->AddQueues(&builder);
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr || self->port_ == 0) {
-    if (self->server_ != nullptr) {  // started without a port: down before its queues
-      self->server_->Shutdown();
-      self->server_->Wait();
-      self->server_.reset();
-    }
-    self->stream_frontend_->Stop();
     self->batcher_->Stop();
     return absl::UnavailableError(
         absl::StrCat("--listen=", config.listen, ": cannot listen there"));
@@ -281,8 +275,7 @@ Server::~Server() { Drain(); }
 void Server::Drain() {
   if (drained_) return;
   drained_ = true;
-  if (server_ == nullptr) {  // Start failed half-way
-    if (stream_frontend_ != nullptr) stream_frontend_->Stop();
+  if (server_ == nullptr) {  // Start failed half-way (the stream queues never started)
     if (batcher_ != nullptr) batcher_->Stop();
     return;
   }

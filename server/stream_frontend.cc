@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "server/grpc_status.h"
 
 namespace attnserve {
