@@ -85,8 +85,9 @@ class DevicePool {
   absl::Status CopyToHost(int64_t offset, int64_t bytes);
   // Copies between the device region and host memory outside the staging region, which must be
   // page-locked (PinHostMemory) for them to be asynchronous; independent of each other (no two
-  // write the same bytes), in one driver call where the runtime has one (cudaMemcpyBatchAsync):
-  // a batch of small requests has dozens. Device pools only.
+  // write the same bytes). A batch of small requests has dozens: many small copies go as one
+  // kernel that reads or writes the mapped host memory (UseCopyKernel), the others in one
+  // driver call where the runtime has one (cudaMemcpyBatchAsync). Device pools only.
   struct HostCopy {
     void* host;      // page-locked; read from (to device) or written to (to host)
     int64_t offset;  // into the device region
@@ -94,9 +95,12 @@ class DevicePool {
   };
   absl::Status CopyManyToDevice(const std::vector<HostCopy>& copies);
   absl::Status CopyManyToHost(const std::vector<HostCopy>& copies);
+  // Whether CopyMany moves `copies` with a kernel rather than the copy engines: many copies, on
+  // average small, and a device that addresses registered host memory by its host pointers.
+  bool UseCopyKernel(const std::vector<HostCopy>& copies) const;
 
-  // Page-locks host memory for every device (cudaHostRegister, portable), so that copies to and
-  // from it are DMA without a staging copy; shared-memory regions use it. UNAVAILABLE without
+  // Page-locks host memory for every device (cudaHostRegister, portable and mapped), so that
+  // copies to and from it need no staging copy; shared-memory regions use it. UNAVAILABLE without
   // CUDA. Unpin before unmapping.
   static absl::Status PinHostMemory(void* p, int64_t bytes);
   static void UnpinHostMemory(void* p);
@@ -114,6 +118,7 @@ class DevicePool {
   int64_t limit_;
   DeviceWait wait_;
   int64_t capacity_ = 0;
+  bool kernel_reads_host_pointers_ = false;  // cudaDevAttrCanUseHostPointerForRegisteredMem
   std::byte* host_ = nullptr;
   std::byte* device_ = nullptr;
   void* stream_ = nullptr;

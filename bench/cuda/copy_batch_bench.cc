@@ -10,6 +10,8 @@
 //   h2d 1     all of it as one copy (the bandwidth floor)
 //   d2h n     each request's O back: n copies, one batch call (the server today)
 //   d2h 1     all O as one copy
+//   h2d kernel / d2h kernel   the 3n (n) copies as one CopySpansAsync launch: the SMs read
+//             (write) the mapped host memory over PCIe
 //
 //   attn_copy_bench [iterations]   (default 200)
 #include <cuda_runtime.h>
@@ -19,7 +21,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <vector>
+
+#include "cuda/common/span_copy.h"
 
 namespace {
 
@@ -71,17 +76,17 @@ struct Timing {
   double host_us = 0;   // issue + synchronise, as the lane sees it
 };
 
-Timing Measure(const std::vector<Copy>& copies, cudaStream_t stream, int iterations) {
+Timing Measure(const std::function<void()>& issue, cudaStream_t stream, int iterations) {
   cudaEvent_t start, stop;
   Check(cudaEventCreate(&start), "cudaEventCreate");
   Check(cudaEventCreate(&stop), "cudaEventCreate");
-  for (int i = 0; i < 10; ++i) Issue(copies, stream);  // warm-up
+  for (int i = 0; i < 10; ++i) issue();  // warm-up
   Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   std::vector<double> events, hosts;
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     Check(cudaEventRecord(start, stream), "cudaEventRecord");
-    Issue(copies, stream);
+    issue();
     Check(cudaEventRecord(stop, stream), "cudaEventRecord");
     Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     const auto t1 = std::chrono::steady_clock::now();
@@ -107,18 +112,25 @@ int main(int argc, char** argv) {
   void* host = std::aligned_alloc(4096, region_bytes);
   if (host == nullptr) return 1;
   std::memset(host, 1, region_bytes);
-  Check(cudaHostRegister(host, region_bytes, cudaHostRegisterPortable), "cudaHostRegister");
+  Check(cudaHostRegister(host, region_bytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
+        "cudaHostRegister");
   void* device = nullptr;
   Check(cudaMalloc(&device, region_bytes), "cudaMalloc");
   cudaStream_t stream;
   Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   auto* h = static_cast<char*>(host);
+  void* mapped = nullptr;
+  if (!attn::cuda::MappedDevicePointer(host, &mapped).ok()) return 1;
+  // The same host bytes at their device address, for the kernel variants.
+  auto as_mapped = [&](const void* p) {
+    return static_cast<char*>(mapped) + (static_cast<const char*>(p) - h);
+  };
   auto* d = static_cast<char*>(device);
   const size_t t = kTensorBytes;
 
   std::printf("| requests | MiB in / out | variant | copies | GPU us | host us | GB/s (GPU) |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (int n : {1, 4, 8, 14}) {
+  for (int n : {1, 4, 8, 14, 16}) {
     // Host: request i's Q, K, V, O side by side at i * 4t. Device: packed Q, K, V, O regions.
     const size_t region = n * t;
     std::vector<Copy> h2d_3n, h2d_n, d2h_n;
@@ -130,18 +142,33 @@ int main(int argc, char** argv) {
     }
     const std::vector<Copy> h2d_1 = {{d, h, 3 * region}};
     const std::vector<Copy> d2h_1 = {{h + 3 * region, d + 3 * region, region}};
+    std::vector<attn::cuda::CopySpan> h2d_spans, d2h_spans;
+    for (const Copy& c : h2d_3n) h2d_spans.push_back({as_mapped(c.src), c.dst, int64_t(c.bytes)});
+    for (const Copy& c : d2h_n) d2h_spans.push_back({c.src, as_mapped(c.dst), int64_t(c.bytes)});
+    auto dma = [&](const std::vector<Copy>& copies) {
+      return [&copies, stream] { Issue(copies, stream); };
+    };
+    auto kernel = [&](const std::vector<attn::cuda::CopySpan>& spans) {
+      return [&spans, stream] {
+        if (!attn::cuda::CopySpansAsync(spans, stream).ok()) std::exit(1);
+      };
+    };
     struct Variant {
       const char* name;
-      const std::vector<Copy>* copies;
+      std::function<void()> issue;
+      size_t copies;
       size_t bytes;
     };
-    for (const Variant& v :
-         {Variant{"h2d 3n", &h2d_3n, 3 * region}, Variant{"h2d n", &h2d_n, 3 * region},
-          Variant{"h2d 1", &h2d_1, 3 * region}, Variant{"d2h n", &d2h_n, region},
-          Variant{"d2h 1", &d2h_1, region}}) {
-      const Timing timing = Measure(*v.copies, stream, iterations);
+    for (const Variant& v : {Variant{"h2d 3n", dma(h2d_3n), h2d_3n.size(), 3 * region},
+                             Variant{"h2d n", dma(h2d_n), h2d_n.size(), 3 * region},
+                             Variant{"h2d 1", dma(h2d_1), 1, 3 * region},
+                             Variant{"h2d kernel", kernel(h2d_spans), h2d_spans.size(), 3 * region},
+                             Variant{"d2h n", dma(d2h_n), d2h_n.size(), region},
+                             Variant{"d2h 1", dma(d2h_1), 1, region},
+                             Variant{"d2h kernel", kernel(d2h_spans), d2h_spans.size(), region}}) {
+      const Timing timing = Measure(v.issue, stream, iterations);
       std::printf("| %d | %.2f / %.2f | %s | %zu | %.1f | %.1f | %.1f |\n", n,
-                  3.0 * region / (1 << 20), 1.0 * region / (1 << 20), v.name, v.copies->size(),
+                  3.0 * region / (1 << 20), 1.0 * region / (1 << 20), v.name, v.copies,
                   timing.event_us, timing.host_us, v.bytes / (1000.0 * timing.event_us));
     }
   }

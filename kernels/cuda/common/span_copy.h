@@ -1,0 +1,31 @@
+// Many small copies as one kernel launch. A batch of small requests has dozens of host<->device
+// copies; the copy engines pay ~0.5-0.85 us per copy on top of the bytes (r32,
+// docs/server-performance.md), while one kernel whose threads load from (or store to)
+// page-locked, device-mapped host memory moves them all at PCIe speed for one launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace attn::cuda {
+
+struct CopySpan {
+  const void* src;  // device memory, or a device pointer to mapped host memory
+  void* dst;        // likewise
+  int64_t bytes;
+};
+
+// Enqueues every span on `stream`; spans must not overlap each other's destinations. Spans
+// whose addresses and length are 16-byte multiples move 16 bytes per load; the others move
+// byte by byte (correct, slower). A failed launch returns its Status.
+absl::Status CopySpansAsync(const std::vector<CopySpan>& spans, cudaStream_t stream);
+
+// The device address of page-locked host memory `host` (cudaHostGetDevicePointer), for spans
+// that read or write it; registered memory must have been mapped (cudaHostRegisterMapped).
+absl::Status MappedDevicePointer(const void* host, void** device);
+
+}  // namespace attn::cuda
