@@ -2,7 +2,7 @@
 // object, registers a range of it under a name (RegisterSharedMemory), and sends requests whose
 // tensors refer to (region, offset, byte_size) instead of carrying bytes: gRPC moves a few
 // hundred bytes per request, and the batcher copies the tensors between the region and the
-// device (by DMA when a GPU server page-locked the region, else through its staging buffer) and
+// device (directly when a GPU server page-locked the region, else through its staging buffer) and
 // writes O back into it.
 //
 // A region stays mapped while any request that resolved it holds its shared_ptr, so
@@ -70,7 +70,8 @@ struct SharedMemorySpan {
 };
 
 // How a GPU server page-locks regions (cudaHostRegister), so that lanes copy tensors between a
-// region and the device by DMA instead of through the staging buffer.
+// region and the device directly (DMA, or a copy kernel through the region's device mapping)
+// instead of through the staging buffer.
 struct HostMemoryPinning {
   std::function<absl::Status(void*, int64_t)> pin;
   std::function<void(void*)> unpin;

@@ -23,7 +23,10 @@
 #   SETS             small,large (default both)       MODES  on,off (default both)
 #   RPCS             unary,stream (default both)
 #   STREAMS          AttendStream calls per level for rpc=stream (default 8)
-#   CHANNELS         gRPC channels (connections) of the client (default 4)
+#   CHANNELS         gRPC channels (connections) of the client (default STREAMS: one per
+#                    stream, so each client thread polls only its own socket; 8 streams on 4
+#                    connections cost the client 3.9 cores instead of 3.0 for ~8% fewer
+#                    requests at 64 in flight, r36 in docs/server-performance.md)
 #   SMALL_LEVELS, LARGE_LEVELS   concurrency lists (defaults above)
 #   LARGE_N, LARGE_HEADS         override the large shape (the CPU engine needs seconds per
 #                                N = 4096 request)
@@ -51,7 +54,7 @@ sets=${SETS:-small,large}
 modes=${MODES:-on,off}
 rpcs=${RPCS:-unary,stream}
 streams=${STREAMS:-8}
-channels=${CHANNELS:-4}
+channels=${CHANNELS:-$streams}
 level_timeout=${LEVEL_TIMEOUT:-120}
 engine=${ENGINE:-auto}
 metrics_address=${METRICS_ADDRESS:-}
