@@ -38,24 +38,25 @@ __global__ void __launch_bounds__(kThreads) CopySpansKernel(const __grid_constan
   const int64_t end = min(begin + kChunkBytes, t.bytes[s]);
   const char* src = t.src[s];
   char* dst = t.dst[s];
-  const bool vector = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
-                        static_cast<uintptr_t>(t.bytes[s])) &
-                       15) == 0;
-  if (vector) {
-    // All loads first, then all stores: every thread keeps its loads in flight together.
-    uint4 v[kVectorsPerThread];
+  // 16-byte vectors over the span's aligned body when source and destination are aligned; bytes for
+  // the rest (a ragged tail, or the whole span when the addresses are not aligned).
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+  const int64_t body_end = min(end, aligned ? (t.bytes[s] & ~int64_t{15}) : begin);
+  // All loads first, then all stores: every thread keeps its loads in flight together.
+  uint4 v[kVectorsPerThread];
 #pragma unroll
-    for (int i = 0; i < kVectorsPerThread; ++i) {
-      const int64_t at = begin + (int64_t{i} * kThreads + threadIdx.x) * 16;
-      if (at < end) v[i] = *reinterpret_cast<const uint4*>(src + at);
-    }
+  for (int i = 0; i < kVectorsPerThread; ++i) {
+    const int64_t at = begin + (int64_t{i} * kThreads + threadIdx.x) * 16;
+    if (at < body_end) v[i] = *reinterpret_cast<const uint4*>(src + at);
+  }
 #pragma unroll
-    for (int i = 0; i < kVectorsPerThread; ++i) {
-      const int64_t at = begin + (int64_t{i} * kThreads + threadIdx.x) * 16;
-      if (at < end) *reinterpret_cast<uint4*>(dst + at) = v[i];
-    }
-  } else {
-    for (int64_t at = begin + threadIdx.x; at < end; at += kThreads) dst[at] = src[at];
+  for (int i = 0; i < kVectorsPerThread; ++i) {
+    const int64_t at = begin + (int64_t{i} * kThreads + threadIdx.x) * 16;
+    if (at < body_end) *reinterpret_cast<uint4*>(dst + at) = v[i];
+  }
+  for (int64_t at = max(begin, body_end) + threadIdx.x; at < end; at += kThreads) {
+    dst[at] = src[at];
   }
 }
 

@@ -19,9 +19,10 @@ struct CopySpan {
   int64_t bytes;
 };
 
-// Enqueues every span on `stream`; spans must not overlap each other's destinations. Spans
-// whose addresses and length are 16-byte multiples move 16 bytes per load; the others move
-// byte by byte (correct, slower). A failed launch returns its Status.
+// Enqueues every span on `stream`; spans must not overlap each other's destinations. A span
+// whose source and destination are 16-byte aligned moves 16 bytes per load (its ragged tail
+// byte by byte); an unaligned one moves byte by byte (correct, slower). A failed launch
+// returns its Status.
 absl::Status CopySpansAsync(const std::vector<CopySpan>& spans, cudaStream_t stream);
 
 // The device address of page-locked host memory `host` (cudaHostGetDevicePointer), for spans
