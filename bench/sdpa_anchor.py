@@ -13,6 +13,9 @@ the same memory.
 
 Reads the JSON lines of `attn_kernel_bench --json` (--ours FILE) and prints the ratio table:
 fused / FLASH, fused / cuDNN, naive / MATH. Writes the anchor rows as JSON lines (--out FILE).
+
+--pass bwd times the backward alone (torch.autograd.grad of one forward's output, kept with
+retain_graph) against `attn_kernel_bench --pass=bwd`; FLOPs are 2.5x the forward's.
 """
 import argparse
 import json
@@ -38,6 +41,7 @@ def parse_args():
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--head-width", type=int, default=2048)
+    ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     return ap.parse_args()
 
 
@@ -45,7 +49,7 @@ def ints(s):
     return [int(x) for x in s.split(",") if x]
 
 
-def load_ours(path):
+def load_ours(path, pass_):
     rows = {}
     if not path:
         return rows
@@ -55,7 +59,7 @@ def load_ours(path):
             if not line.startswith("{"):
                 continue
             r = json.loads(line)
-            if r.get("bench") != "attn_kernel_bench":
+            if r.get("bench") != "attn_kernel_bench" or r.get("pass", "fwd") != pass_:
                 continue
             key = (r["dtype"], r["d"], bool(r["causal"]), r["N"])
             rows.setdefault(key, {})[r["engine"]] = r
@@ -89,9 +93,12 @@ def measure(args):
             for causal in [bool(c) for c in ints(args.causal)]:
                 for n in ints(args.n):
                     batch = args.tokens // n
+                    backward = args.pass_ == "bwd"
                     flops = 4.0 * batch * heads * n * n * d * (0.5 if causal else 1.0)
+                    flops *= 2.5 if backward else 1.0
                     # Our packed layout [batch * N, heads, d], seen as [batch, heads, N, d].
-                    q, k, v = (torch.randn(batch * n, heads, d, device="cuda", dtype=dtype)
+                    q, k, v = (torch.randn(batch * n, heads, d, device="cuda", dtype=dtype,
+                                           requires_grad=backward)
                                .view(batch, n, heads, d).transpose(1, 2) for _ in range(3))
                     for b in backends:
                         key = (dname, d, causal, n)
@@ -102,8 +109,15 @@ def measure(args):
                         else:
                             try:
                                 with sdpa_kernel([backend_enum[b]]):
-                                    fn = lambda: F.scaled_dot_product_attention(
-                                        q, k, v, is_causal=causal)
+                                    if backward:
+                                        out = F.scaled_dot_product_attention(
+                                            q, k, v, is_causal=causal)
+                                        d_o = torch.randn_like(out)
+                                        fn = lambda: torch.autograd.grad(
+                                            out, (q, k, v), d_o, retain_graph=True)
+                                    else:
+                                        fn = lambda: F.scaled_dot_product_attention(
+                                            q, k, v, is_causal=causal)
                                     fn()
                                     torch.cuda.synchronize()
                                     ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
@@ -111,7 +125,9 @@ def measure(args):
                                 row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, status="ok")
                             except (RuntimeError, torch.OutOfMemoryError) as e:
                                 row["status"] = f"error: {str(e).splitlines()[0][:120]}"
+                            out = d_o = None
                             torch.cuda.empty_cache()
+                        row["pass"] = args.pass_
                         results.setdefault(key, {})[b] = row
                         if args.out:
                             with open(args.out, "a") as f:
@@ -137,11 +153,12 @@ def ratio(a, b):
 
 def main():
     args = parse_args()
-    ours = load_ours(args.ours)
+    ours = load_ours(args.ours, args.pass_)
     anchors = measure(args)
     keys = sorted(set(anchors) | set(ours), key=lambda k: (k[0], k[1], k[2], k[3]))
     print()
-    print("forward TFLOP/s, same GPU, same run (ratios: ours / anchor)")
+    print(("backward" if args.pass_ == "bwd" else "forward") +
+          " TFLOP/s, same GPU, same run (ratios: ours / anchor)")
     header = ("dtype", "d", "causal", "N", "fused", "naive", "FLASH", "cuDNN", "MATH",
               "fused/FLASH", "fused/cuDNN", "naive/MATH")
     print("| " + " | ".join(header) + " |")

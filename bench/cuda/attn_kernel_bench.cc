@@ -1,4 +1,4 @@
-// attn_kernel_bench: forward TFLOP/s of the CUDA fused and naive engines over the anchor grid of
+// attn_kernel_bench: forward (or backward) TFLOP/s of the CUDA fused and naive engines over the anchor grid of
 // shared/anchors/README.md (16k tokens per batch: batch = 16384 / N, heads = 2048 / d), with the
 // device memory each engine held. Timing: CUDA events around each call, warm-up first, the
 // median of many repeats, inputs rotated among sets that together exceed the L2 many times.
@@ -6,7 +6,9 @@
 // Output: a table, or JSON lines with --json (what bench/sdpa_anchor.py reads).
 // Flags (comma lists): --dtype=bf16,fp16 --d=64,128 --n=512,...,16384 --causal=0,1
 //   --engine=fused,naive --min_ms=100 --warmup_ms=25 --max_repeats=200 --tokens=16384
-//   --head_width=2048 --workspace_limit_gb=8
+//   --head_width=2048 --workspace_limit_gb=8 --pass=fwd|bwd
+// --pass=bwd times Engine::Backward (dQ, dK, dV from Q, K, V, O, dO and the LSE of a fused
+// forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -39,6 +41,7 @@ struct Flags {
   int64_t tokens = 16384;
   int head_width = 2048;
   double workspace_limit_gb = 8;
+  bool backward = false;
   bool json = false;
 };
 
@@ -119,6 +122,11 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       f.tokens = t;
     } else if (name == "head_width") {
       ATTN_ASSIGN_OR_RETURN(f.head_width, ParseInt(value));
+    } else if (name == "pass") {
+      if (value != "fwd" && value != "bwd") {
+        return absl::InvalidArgumentError("--pass must be fwd or bwd");
+      }
+      f.backward = value == "bwd";
     } else if (name == "workspace_limit_gb") {
       ATTN_ASSIGN_OR_RETURN(f.workspace_limit_gb, ParseDouble(value));
     } else {
@@ -147,6 +155,7 @@ int64_t DeviceUsedBytes() {
 struct Buffers {
   std::vector<cuda::DeviceBuffer> q, k, v;
   cuda::DeviceBuffer o, lse;
+  cuda::DeviceBuffer d_o, dq, dk, dv;  // --pass=bwd only
   int64_t tensor_bytes = 0;
 };
 
@@ -174,13 +183,15 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   const int batch = static_cast<int>(f.tokens / n);
   row = Row{std::string(EngineKindName(kind)).substr(5), dtype, d, causal, n, batch, heads};
   const AttentionProblem p = DenseProblem(dtype, batch, n, n, heads, heads, d, causal);
-  const double flops = 4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0);
+  const double flops = 4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0) *
+                       (f.backward ? 2.5 : 1.0);
 
   const int64_t used_before = DeviceUsedBytes();
   EngineOptions options;
   options.workspace_limit_bytes = static_cast<int64_t>(f.workspace_limit_gb * (1ll << 30));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, CreateEngine(kind, options));
-  if (absl::Status s = engine->SupportsForward(p); !s.ok()) {
+  if (absl::Status s = f.backward ? engine->SupportsBackward(p) : engine->SupportsForward(p);
+      !s.ok()) {
     row.status = s.ToString();
     return absl::OkStatus();
   }
@@ -196,6 +207,27 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
     a.stream = stream;
     return a;
   };
+  // The backward reads set 0 with O and the LSE of its forward (its five tensors exceed the L2
+  // many times at every size of the grid).
+  BackwardArgs backward;
+  if (f.backward) {
+    ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> forward,
+                          CreateEngine(EngineKind::kCudaFused, options));
+    ATTN_RETURN_IF_ERROR(forward->Forward(p, args(0)));
+    backward.q = args(0).q;
+    backward.k = args(0).k;
+    backward.v = args(0).v;
+    backward.o = Packed<const void*>(buf.o.get(), heads, d);
+    backward.d_o = Packed<const void*>(buf.d_o.get(), heads, d);
+    backward.lse = buf.lse.as<float>();
+    backward.dq = Packed<void*>(buf.dq.get(), heads, d);
+    backward.dk = Packed<void*>(buf.dk.get(), heads, d);
+    backward.dv = Packed<void*>(buf.dv.get(), heads, d);
+    backward.stream = stream;
+  }
+  const auto call = [&](size_t set) {
+    return f.backward ? engine->Backward(p, backward) : engine->Forward(p, args(set));
+  };
   const size_t sets = buf.q.size();
   absl::Status status;
   // Warm-up: at least 3 calls and warmup_ms; the first sizes the engine's workspace.
@@ -204,7 +236,7 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   float first_ms = 0;
   {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
-    status = engine->Forward(p, args(0));
+    status = call(0);
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
     ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     if (!status.ok()) {
@@ -216,7 +248,7 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   }
   row.workspace_bytes = DeviceUsedBytes() - used_before;
   const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
-  for (int i = 0; i < warmups && status.ok(); ++i) status = engine->Forward(p, args(i % sets));
+  for (int i = 0; i < warmups && status.ok(); ++i) status = call(i % sets);
   // Repeats: enough for min_ms, within [10, max_repeats].
   const int repeats =
       std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
@@ -227,7 +259,7 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   }
   for (int i = 0; i < repeats && status.ok(); ++i) {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
-    status = engine->Forward(p, args((i + 1) % sets));
+    status = call((i + 1) % sets);
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
   }
   ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -259,11 +291,11 @@ std::string JsonEscape(const std::string& s) {
 void Print(const Flags& f, const Row& r) {
   if (f.json) {
     std::printf(
-        "{\"bench\":\"attn_kernel_bench\",\"pass\":\"fwd\",\"engine\":\"%s\",\"dtype\":\"%s\","
+        "{\"bench\":\"attn_kernel_bench\",\"pass\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\","
         "\"d\":%d,\"causal\":%s,\"N\":%d,\"batch\":%d,\"heads\":%d,\"ms\":%.5f,\"tflops\":%.3f,"
         "\"repeats\":%d,\"workspace_bytes\":%lld,\"status\":\"%s\"}\n",
-        r.engine.c_str(), ShortDType(r.dtype), r.d, r.causal ? "true" : "false", r.n, r.batch,
-        r.heads, r.ms, r.tflops, r.repeats, static_cast<long long>(r.workspace_bytes),
+        f.backward ? "bwd" : "fwd", r.engine.c_str(), ShortDType(r.dtype), r.d,
+        r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats, static_cast<long long>(r.workspace_bytes),
         JsonEscape(r.status).c_str());
   } else if (r.status == "ok") {
     std::printf("%-6s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f\n", r.engine.c_str(),
@@ -296,6 +328,11 @@ absl::Status Run(const Flags& f) {
     }
   }
   ATTN_ASSIGN_OR_RETURN(buf.o, cuda::DeviceBuffer::Allocate(max_bytes));
+  if (f.backward) {
+    for (auto* b : {&buf.d_o, &buf.dq, &buf.dk, &buf.dv}) {
+      ATTN_ASSIGN_OR_RETURN(*b, cuda::DeviceBuffer::Allocate(max_bytes));
+    }
+  }
   const int min_dim = *std::min_element(f.dims.begin(), f.dims.end());
   ATTN_ASSIGN_OR_RETURN(
       buf.lse, cuda::DeviceBuffer::Allocate(f.tokens * (f.head_width / min_dim) * sizeof(float)));
@@ -312,6 +349,9 @@ absl::Status Run(const Flags& f) {
       for (auto* list : {&buf.q, &buf.k, &buf.v}) {
         ATTN_RETURN_IF_ERROR(FillRandomNormal((*list)[s].get(), elements, dtype, seed++, nullptr));
       }
+    }
+    if (f.backward) {
+      ATTN_RETURN_IF_ERROR(FillRandomNormal(buf.d_o.get(), elements, dtype, seed++, nullptr));
     }
     ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
     for (int d : f.dims) {

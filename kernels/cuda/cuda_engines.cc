@@ -12,6 +12,7 @@
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_buffer.h"
 #include "cuda/common/workspace_pool.h"
+#include "cuda/fused/fused_backward.h"
 #include "cuda/fused/fused_forward.h"
 #include "cuda/naive/naive_engine.h"
 
@@ -34,10 +35,77 @@ class CudaFusedEngine final : public Engine {
     return cuda::FusedForwardSupports(p);
   }
   absl::Status SupportsBackward(const AttentionProblem& p) const override {
-    return absl::UnimplementedError("cuda_fused: backward is not implemented");
+    ATTN_RETURN_IF_ERROR(ValidateProblem(p));
+    return cuda::FusedBackwardSupports(p);
   }
+
   absl::Status Backward(const AttentionProblem& p, const BackwardArgs& args) override {
-    return absl::UnimplementedError("cuda_fused: backward is not implemented");
+    ATTN_RETURN_IF_ERROR(ValidateBackward(p, args));
+    ATTN_RETURN_IF_ERROR(cuda::FusedBackwardSupports(p));
+    if (p.total_q() == 0 && p.total_k() == 0) return absl::OkStatus();
+    cuda::ScopedDevice device(options_.device);
+    ATTN_RETURN_IF_ERROR(device.status());
+    const cudaStream_t stream = AsStream(args.stream);
+
+    cuda::FusedBackwardParams params;
+    params.q = args.q.data;
+    params.k = args.k.data;
+    params.v = args.v.data;
+    params.o = args.o.data;
+    params.d_o = args.d_o.data;
+    params.lse = args.lse;
+    params.dq = args.dq.data;
+    params.dk = args.dk.data;
+    params.dv = args.dv.data;
+    params.q_token_stride = args.q.token_stride;
+    params.q_head_stride = args.q.head_stride;
+    params.k_token_stride = args.k.token_stride;
+    params.k_head_stride = args.k.head_stride;
+    params.v_token_stride = args.v.token_stride;
+    params.v_head_stride = args.v.head_stride;
+    params.o_token_stride = args.o.token_stride;
+    params.o_head_stride = args.o.head_stride;
+    params.do_token_stride = args.d_o.token_stride;
+    params.do_head_stride = args.d_o.head_stride;
+    params.dq_token_stride = args.dq.token_stride;
+    params.dq_head_stride = args.dq.head_stride;
+    params.dk_token_stride = args.dk.token_stride;
+    params.dk_head_stride = args.dk.head_stride;
+    params.dv_token_stride = args.dv.token_stride;
+    params.dv_head_stride = args.dv.head_stride;
+    params.total_q = p.total_q();
+    params.batch = p.batch();
+    params.num_heads = p.num_heads;
+    params.num_kv_heads = p.num_kv_heads;
+    params.head_dim = p.head_dim;
+    params.scale = p.scale();
+    params.window_left = p.effective_window_left();
+    params.window_right = p.effective_window_right();
+    params.dtype = p.dtype;
+    params.max_seqlen_k = p.max_seqlen_k();
+
+    // One lease: D and the dQ accumulator, then (variable lengths) the prefix sums.
+    const int64_t work = cuda::FusedBackwardWorkspaceBytes(p);
+    const size_t entries = p.is_uniform() ? 0 : p.cu_seqlens_q.size();
+    const size_t bytes = static_cast<size_t>(work) + 2 * entries * sizeof(int32_t);
+    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease, pool_.Acquire(bytes, stream));
+    params.workspace = lease.data();
+    if (p.is_uniform()) {
+      params.seqlen_q = p.seqlen_q(0);
+      params.seqlen_k = p.seqlen_k(0);
+    } else {
+      auto* cu_q = reinterpret_cast<int32_t*>(static_cast<char*>(lease.data()) + work);
+      int32_t* cu_k = cu_q + entries;
+      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cu_q, p.cu_seqlens_q.data(),
+                                                entries * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                                stream));
+      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cu_k, p.cu_seqlens_k.data(),
+                                                entries * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                                stream));
+      params.cu_seqlens_q = cu_q;
+      params.cu_seqlens_k = cu_k;
+    }
+    return cuda::LaunchFusedBackward(params, stream);
   }
 
   absl::Status Forward(const AttentionProblem& p, const ForwardArgs& args) override {

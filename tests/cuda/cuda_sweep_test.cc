@@ -63,6 +63,10 @@ class CudaSweepTest : public ::testing::TestWithParam<SweepCase> {
     EXPECT_TRUE(lse_ok.ok()) << lse_ok.message();
   }
 
+  // Runs `engine`'s backward on fresh inputs (O and the LSE from a forward pass in the
+  // problem's dtype) and checks dQ, dK, dV against the reference, every element written.
+  void RunBackwardAndCheck(Engine& engine, const SweepCase& c);
+
   uint64_t seed_ = 0;
   std::string trace_;
 };
@@ -83,10 +87,26 @@ TEST_P(CudaSweepTest, NaiveForwardMatchesReference) {
 TEST_P(CudaSweepTest, NaiveBackwardMatchesReference) {
   SCOPED_TRACE(trace_);
   const SweepCase& c = GetParam();
-  const AttentionProblem& p = c.problem;
   auto naive = MustCreate(EngineKind::kCudaNaive);
   ASSERT_NE(naive, nullptr);
-  ASSERT_TRUE(naive->SupportsBackward(p).ok()) << naive->SupportsBackward(p);
+  ASSERT_TRUE(naive->SupportsBackward(c.problem).ok()) << naive->SupportsBackward(c.problem);
+  RunBackwardAndCheck(*naive, c);
+}
+
+TEST_P(CudaSweepTest, FusedBackwardMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  auto fused = MustCreate(EngineKind::kCudaFused);
+  ASSERT_NE(fused, nullptr);
+  if (const absl::Status supported = fused->SupportsBackward(c.problem); !supported.ok()) {
+    ASSERT_FALSE(FusedMustSupport(c.problem)) << supported;
+    GTEST_SKIP() << "fused backward does not cover this problem: " << supported.message();
+  }
+  RunBackwardAndCheck(*fused, c);
+}
+
+void CudaSweepTest::RunBackwardAndCheck(Engine& engine, const SweepCase& c) {
+  const AttentionProblem& p = c.problem;
   AttentionTensors t = AttentionTensors::Make(p, seed_, c.padded);
   auto ref = RunReference(p, t, /*backward=*/true);
   ASSERT_TRUE(ref.ok()) << ref.status();
@@ -99,7 +119,7 @@ TEST_P(CudaSweepTest, NaiveBackwardMatchesReference) {
   t.dv.Poison();
   auto device = DeviceBackward::Upload(t);
   ASSERT_TRUE(device.ok()) << device.status();
-  const absl::Status run = naive->Backward(p, device->args());
+  const absl::Status run = engine.Backward(p, device->args());
   ASSERT_TRUE(run.ok()) << run;
   ASSERT_TRUE(device->Download(t).ok());
   for (const HostTensor* g : {&t.dq, &t.dk, &t.dv}) {

@@ -1,0 +1,422 @@
+// The fused backward pass: see fused_backward.h for the algorithm. Tensor-core products go
+// through WMMA fragments (16 x 16 x 16, float32 accumulation) on tiles held in shared memory;
+// compiled for the architectures the project builds (Ampere and Hopper).
+#include "cuda/fused/fused_backward.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "attn/mask.h"
+
+namespace attn::cuda {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kBlockQ = 64;   // query rows per tile
+constexpr int kBlockK = 64;   // key rows per CTA
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kPadHalf = 8;   // 16 bytes of padding per shared row: fewer bank conflicts
+constexpr int kPadFloat = 4;
+
+template <typename T>
+__device__ __forceinline__ float ToFloat(T x);
+template <>
+__device__ __forceinline__ float ToFloat<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename T, int D>
+struct SharedTiles {
+  T k[kBlockK][D + kPadHalf];
+  T v[kBlockK][D + kPadHalf];
+  T q[kBlockQ][D + kPadHalf];
+  T d_o[kBlockQ][D + kPadHalf];
+  // S and dP of the current tile, then (once P and dS are formed) its dQ, and at the end dK
+  // and dV on their way out.
+  union {
+    struct {
+      float s[kBlockQ][kBlockK + kPadFloat];
+      float dp[kBlockQ][kBlockK + kPadFloat];
+    } scores;
+    float rows[kBlockQ][D + kPadFloat];
+  } u;
+  T p[kBlockQ][kBlockK + kPadHalf];
+  T ds[kBlockQ][kBlockK + kPadHalf];
+  float lse[kBlockQ];
+  float delta[kBlockQ];
+};
+
+// Rows [row0, row0 + valid) of head `head` of a strided [tokens, heads, D] tensor into a shared
+// tile; rows past `valid` become zeros. 8 elements (16 bytes) per step, one load when aligned.
+template <typename T, int D, int kRows>
+__device__ void LoadTile(T (*tile)[D + kPadHalf], const T* base, int64_t token_stride,
+                         int64_t head_offset, int64_t row0, int64_t valid, bool aligned) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = (i % kChunks) * 8;
+    T* dst = &tile[r][c];
+    if (r < valid) {
+      const T* src = base + (row0 + r) * token_stride + head_offset + c;
+      if (aligned) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dst[e] = src[e];
+      }
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t Max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+struct Sequence {
+  int64_t q_start, k_start, lq, lk;
+};
+
+__device__ __forceinline__ Sequence SequenceOf(const FusedBackwardParams& p, int b) {
+  if (p.cu_seqlens_q != nullptr) {
+    const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+    return {q0, k0, p.cu_seqlens_q[b + 1] - q0, p.cu_seqlens_k[b + 1] - k0};
+  }
+  return {b * p.seqlen_q, b * p.seqlen_k, p.seqlen_q, p.seqlen_k};
+}
+
+// delta[h, t] = sum_c dO[t, h, c] * O[t, h, c] in float32: one warp per (token, head).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) RowDotKernel(const FusedBackwardParams p,
+                                                         float* delta) {
+  const int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
+  if (row >= p.total_q * p.num_heads) return;
+  const int64_t t = row / p.num_heads;
+  const int h = static_cast<int>(row % p.num_heads);
+  const T* o = static_cast<const T*>(p.o) + t * p.o_token_stride + h * p.o_head_stride;
+  const T* d_o = static_cast<const T*>(p.d_o) + t * p.do_token_stride + h * p.do_head_stride;
+  float sum = 0.f;
+  for (int c = threadIdx.x % 32; c < p.head_dim; c += 32) sum += ToFloat(o[c]) * ToFloat(d_o[c]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (threadIdx.x % 32 == 0) delta[h * p.total_q + t] = sum;
+}
+
+// dq[t, h, c] = accumulator, rounded to the dtype.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) StoreDqKernel(const FusedBackwardParams p,
+                                                          const float* dq_accum) {
+  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const int64_t row_elems = int64_t{p.num_heads} * p.head_dim;
+  if (i >= p.total_q * row_elems) return;
+  const int64_t t = i / row_elems;
+  const int h = static_cast<int>((i % row_elems) / p.head_dim);
+  const int c = static_cast<int>(i % p.head_dim);
+  static_cast<T*>(p.dq)[t * p.dq_token_stride + h * p.dq_head_stride + c] =
+      FromFloat<T>(dq_accum[i]);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    BackwardKernel(const FusedBackwardParams p, const float* delta, float* dq_accum,
+                   bool aligned_inputs, bool aligned_outputs) {
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  auto& sm = *reinterpret_cast<SharedTiles<T, D>*>(shared_raw);
+  using ARow = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+  using ACol = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
+  using BRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
+  using BCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int kLdT = D + kPadHalf;
+  constexpr int kLdScores = kBlockK + kPadFloat;
+  constexpr int kLdProbs = kBlockK + kPadHalf;
+  constexpr int kLdRows = D + kPadFloat;
+  constexpr int kColTiles = D / 16;
+  // dK and dV are (kBlockK / 16) x kColTiles tiles each; every warp owns as many of both.
+  constexpr int kOwned = (kBlockK / 16) * kColTiles / kWarps;
+  static_assert((kBlockK / 16) * kColTiles % kWarps == 0, "head_dim must be a multiple of 32");
+
+  const int warp = threadIdx.x / 32;
+  const Sequence seq = SequenceOf(p, blockIdx.z);
+  const int64_t k0 = int64_t{blockIdx.x} * kBlockK;
+  if (k0 >= seq.lk) return;
+  const int64_t keys = Min64(kBlockK, seq.lk - k0);
+  const int kv_head = blockIdx.y;
+
+  LoadTile<T, D, kBlockK>(sm.k, static_cast<const T*>(p.k), p.k_token_stride,
+                          kv_head * p.k_head_stride, seq.k_start + k0, keys, aligned_inputs);
+  LoadTile<T, D, kBlockK>(sm.v, static_cast<const T*>(p.v), p.v_token_stride,
+                          kv_head * p.v_head_stride, seq.k_start + k0, keys, aligned_inputs);
+
+  // The query rows whose window can reach this key block (query row i sits at key position
+  // i + lk - lq); the mask below trims the rest.
+  const int64_t shift = seq.lk - seq.lq;
+  int64_t first_row = 0, end_row = seq.lq;
+  if (p.window_right >= 0) first_row = Max64(0, k0 - p.window_right - shift);
+  if (p.window_left >= 0) end_row = Min64(seq.lq, k0 + keys + p.window_left - shift);
+
+  Acc dk_acc[kOwned], dv_acc[kOwned];
+#pragma unroll
+  for (int j = 0; j < kOwned; ++j) {
+    wmma::fill_fragment(dk_acc[j], 0.f);
+    wmma::fill_fragment(dv_acc[j], 0.f);
+  }
+
+  const int group = p.num_heads / p.num_kv_heads;
+  for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    for (int64_t i0 = first_row / kBlockQ * kBlockQ; i0 < end_row; i0 += kBlockQ) {
+      const int64_t rows = Min64(kBlockQ, seq.lq - i0);
+      __syncthreads();  // the previous tile's readers of q, d_o and u are done
+      LoadTile<T, D, kBlockQ>(sm.q, static_cast<const T*>(p.q), p.q_token_stride,
+                              h * p.q_head_stride, seq.q_start + i0, rows, aligned_inputs);
+      LoadTile<T, D, kBlockQ>(sm.d_o, static_cast<const T*>(p.d_o), p.do_token_stride,
+                              h * p.do_head_stride, seq.q_start + i0, rows, aligned_inputs);
+      for (int r = threadIdx.x; r < kBlockQ; r += kThreads) {
+        const int64_t at = h * p.total_q + seq.q_start + i0 + r;
+        sm.lse[r] = r < rows ? p.lse[at] : -INFINITY;
+        sm.delta[r] = r < rows ? delta[at] : 0.f;
+      }
+      __syncthreads();
+
+      // S = Q K^T and dP = dO V^T, 4 x 4 tiles each.
+      for (int t = warp; t < (kBlockQ / 16) * (kBlockK / 16); t += kWarps) {
+        const int tr = t / (kBlockK / 16), tc = t % (kBlockK / 16);
+        Acc s, dp;
+        wmma::fill_fragment(s, 0.f);
+        wmma::fill_fragment(dp, 0.f);
+#pragma unroll
+        for (int kk = 0; kk < D; kk += 16) {
+          ARow a;
+          BCol b;  // column-major view of a row-major [keys, D] tile: its transpose
+          wmma::load_matrix_sync(a, &sm.q[tr * 16][kk], kLdT);
+          wmma::load_matrix_sync(b, &sm.k[tc * 16][kk], kLdT);
+          wmma::mma_sync(s, a, b, s);
+          wmma::load_matrix_sync(a, &sm.d_o[tr * 16][kk], kLdT);
+          wmma::load_matrix_sync(b, &sm.v[tc * 16][kk], kLdT);
+          wmma::mma_sync(dp, a, b, dp);
+        }
+        wmma::store_matrix_sync(&sm.u.scores.s[tr * 16][tc * 16], s, kLdScores,
+                                wmma::mem_row_major);
+        wmma::store_matrix_sync(&sm.u.scores.dp[tr * 16][tc * 16], dp, kLdScores,
+                                wmma::mem_row_major);
+      }
+      __syncthreads();
+
+      // P = exp(scale * S - LSE) on visible keys, dS = P * (dP - D).
+      for (int i = threadIdx.x; i < kBlockQ * kBlockK; i += kThreads) {
+        const int r = i / kBlockK, c = i % kBlockK;
+        const float lse = sm.lse[r];
+        float prob = 0.f;
+        if (r < rows && c < keys && lse != -INFINITY) {
+          const KeyRange visible =
+              VisibleKeys(i0 + r, seq.lq, seq.lk, p.window_left, p.window_right);
+          const int64_t key = k0 + c;
+          if (key >= visible.begin && key < visible.end) {
+            prob = __expf(sm.u.scores.s[r][c] * p.scale - lse);
+          }
+        }
+        sm.p[r][c] = FromFloat<T>(prob);
+        sm.ds[r][c] = FromFloat<T>(prob * (sm.u.scores.dp[r][c] - sm.delta[r]));
+      }
+      __syncthreads();
+
+      // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end).
+#pragma unroll
+      for (int j = 0; j < kOwned; ++j) {
+        const int t = warp + j * kWarps;
+        const int tr = t / kColTiles, tc = t % kColTiles;
+#pragma unroll
+        for (int kk = 0; kk < kBlockQ; kk += 16) {
+          ACol a;  // column-major view of the row-major [queries, keys] tile: its transpose
+          BRow b;
+          wmma::load_matrix_sync(a, &sm.p[kk][tr * 16], kLdProbs);
+          wmma::load_matrix_sync(b, &sm.d_o[kk][tc * 16], kLdT);
+          wmma::mma_sync(dv_acc[j], a, b, dv_acc[j]);
+          wmma::load_matrix_sync(a, &sm.ds[kk][tr * 16], kLdProbs);
+          wmma::load_matrix_sync(b, &sm.q[kk][tc * 16], kLdT);
+          wmma::mma_sync(dk_acc[j], a, b, dk_acc[j]);
+        }
+      }
+      // This tile's dQ = dS K, staged where S and dP were, then added to the accumulator.
+      for (int t = warp; t < (kBlockQ / 16) * kColTiles; t += kWarps) {
+        const int tr = t / kColTiles, tc = t % kColTiles;
+        Acc dq;
+        wmma::fill_fragment(dq, 0.f);
+#pragma unroll
+        for (int kk = 0; kk < kBlockK; kk += 16) {
+          ARow a;
+          BRow b;
+          wmma::load_matrix_sync(a, &sm.ds[tr * 16][kk], kLdProbs);
+          wmma::load_matrix_sync(b, &sm.k[kk][tc * 16], kLdT);
+          wmma::mma_sync(dq, a, b, dq);
+        }
+        wmma::store_matrix_sync(&sm.u.rows[tr * 16][tc * 16], dq, kLdRows, wmma::mem_row_major);
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < rows * D; i += kThreads) {
+        const int r = i / D, c = i % D;
+        atomicAdd(&dq_accum[((seq.q_start + i0 + r) * p.num_heads + h) * D + c],
+                  sm.u.rows[r][c] * p.scale);
+      }
+    }
+  }
+
+  // dK (scaled) and dV of this block, through shared memory to the dtype.
+  for (int pass = 0; pass < 2; ++pass) {
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kOwned; ++j) {
+      const int t = warp + j * kWarps;
+      const int tr = t / kColTiles, tc = t % kColTiles;
+      wmma::store_matrix_sync(&sm.u.rows[tr * 16][tc * 16], pass == 0 ? dk_acc[j] : dv_acc[j],
+                              kLdRows, wmma::mem_row_major);
+    }
+    __syncthreads();
+    T* out = static_cast<T*>(pass == 0 ? p.dk : p.dv);
+    const int64_t token_stride = pass == 0 ? p.dk_token_stride : p.dv_token_stride;
+    const int64_t head_offset = kv_head * (pass == 0 ? p.dk_head_stride : p.dv_head_stride);
+    const float factor = pass == 0 ? p.scale : 1.f;
+    constexpr int kChunks = D / 8;
+    for (int i = threadIdx.x; i < keys * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      alignas(16) T values[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) values[e] = FromFloat<T>(sm.u.rows[r][c + e] * factor);
+      T* dst = out + (seq.k_start + k0 + r) * token_stride + head_offset + c;
+      if (aligned_outputs) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(values);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dst[e] = values[e];
+      }
+    }
+  }
+}
+
+bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
+  constexpr int64_t kElemsPer16Bytes = 8;  // 16-bit elements
+  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && token_stride % kElemsPer16Bytes == 0 &&
+         head_stride % kElemsPer16Bytes == 0;
+}
+
+template <typename T, int D>
+cudaError_t Run(const FusedBackwardParams& p, cudaStream_t stream) {
+  float* delta = static_cast<float*>(p.workspace);
+  float* dq_accum = delta + p.num_heads * p.total_q;
+  const int64_t accum_elems = p.total_q * p.num_heads * D;
+  if (cudaError_t e = cudaMemsetAsync(dq_accum, 0, accum_elems * sizeof(float), stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  const int64_t rows = p.total_q * p.num_heads;
+  if (rows > 0) {
+    RowDotKernel<T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
+        p, delta);
+  }
+
+  const bool aligned_inputs = Aligned16(p.q, p.q_token_stride, p.q_head_stride) &&
+                              Aligned16(p.k, p.k_token_stride, p.k_head_stride) &&
+                              Aligned16(p.v, p.v_token_stride, p.v_head_stride) &&
+                              Aligned16(p.d_o, p.do_token_stride, p.do_head_stride);
+  const bool aligned_outputs = Aligned16(p.dk, p.dk_token_stride, p.dk_head_stride) &&
+                               Aligned16(p.dv, p.dv_token_stride, p.dv_head_stride);
+  const size_t shared = sizeof(SharedTiles<T, D>);
+  auto* kernel = &BackwardKernel<T, D>;
+  if (cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+      e != cudaSuccess) {
+    return e;
+  }
+  const dim3 grid(static_cast<unsigned>((p.max_seqlen_k + kBlockK - 1) / kBlockK),
+                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
+  if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
+    kernel<<<grid, kThreads, shared, stream>>>(p, delta, dq_accum, aligned_inputs,
+                                               aligned_outputs);
+  }
+  if (accum_elems > 0) {
+    StoreDqKernel<T><<<static_cast<unsigned>((accum_elems + kThreads - 1) / kThreads), kThreads,
+                       0, stream>>>(p, dq_accum);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t DispatchHeadDim(const FusedBackwardParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 32:
+      return Run<T, 32>(p, stream);
+    case 64:
+      return Run<T, 64>(p, stream);
+    case 96:
+      return Run<T, 96>(p, stream);
+    case 128:
+      return Run<T, 128>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+absl::Status FusedBackwardSupports(const AttentionProblem& p) {
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) {
+    return absl::UnimplementedError(absl::StrCat("cuda_fused: backward dtype ",
+                                                 std::string(DTypeName(p.dtype)),
+                                                 " is not covered (float16 and bfloat16 are)"));
+  }
+  if (p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128) {
+    return absl::UnimplementedError(absl::StrCat("cuda_fused: backward head_dim ", p.head_dim,
+                                                 " is not covered (32, 64, 96, 128 are)"));
+  }
+  if (p.batch() > 65535 || p.num_kv_heads > 65535) {
+    return absl::UnimplementedError("cuda_fused: backward needs batch and num_kv_heads <= 65535");
+  }
+  return absl::OkStatus();
+}
+
+int64_t FusedBackwardWorkspaceBytes(const AttentionProblem& p) {
+  const int64_t rows = p.total_q() * p.num_heads;
+  return rows * static_cast<int64_t>(sizeof(float)) * (1 + p.head_dim);
+}
+
+absl::Status LaunchFusedBackward(const FusedBackwardParams& p, void* stream) {
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
+    return absl::InvalidArgumentError("cuda_fused: num_heads must be a multiple of num_kv_heads");
+  }
+  if (p.total_q == 0 && p.max_seqlen_k == 0) return absl::OkStatus();
+  auto* s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaErrorInvalidValue;
+  if (p.dtype == DType::kF16) {
+    err = DispatchHeadDim<__half>(p, s);
+  } else if (p.dtype == DType::kBF16) {
+    err = DispatchHeadDim<__nv_bfloat16>(p, s);
+  }
+  if (err != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cuda_fused: backward launch failed: ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attn::cuda
