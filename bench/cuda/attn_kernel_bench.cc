@@ -1,7 +1,7 @@
-// attn_kernel_bench: forward (or backward) TFLOP/s of the CUDA fused and naive engines over the anchor grid of
-// shared/anchors/README.md (16k tokens per batch: batch = 16384 / N, heads = 2048 / d), with the
-// device memory each engine held. Timing: CUDA events around each call, warm-up first, the
-// median of many repeats, inputs rotated among sets that together exceed the L2 many times.
+// attn_kernel_bench: forward (or backward) TFLOP/s of the CUDA fused and naive engines over the
+// anchor grid of shared/anchors/README.md (16k tokens per batch: batch = 16384 / N, heads = 2048 /
+// d), with the device memory each engine held. Timing: CUDA events around each call, warm-up first,
+// the median of many repeats, inputs rotated among sets that together exceed the L2 many times.
 //
 // Output: a table, or JSON lines with --json (what bench/sdpa_anchor.py reads).
 // Flags (comma lists): --dtype=bf16,fp16 --d=64,128 --n=512,...,16384 --causal=0,1
@@ -183,8 +183,8 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   const int batch = static_cast<int>(f.tokens / n);
   row = Row{std::string(EngineKindName(kind)).substr(5), dtype, d, causal, n, batch, heads};
   const AttentionProblem p = DenseProblem(dtype, batch, n, n, heads, heads, d, causal);
-  const double flops = 4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0) *
-                       (f.backward ? 2.5 : 1.0);
+  const double flops =
+      4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0) * (f.backward ? 2.5 : 1.0);
 
   const int64_t used_before = DeviceUsedBytes();
   EngineOptions options;
@@ -295,8 +295,8 @@ void Print(const Flags& f, const Row& r) {
         "\"d\":%d,\"causal\":%s,\"N\":%d,\"batch\":%d,\"heads\":%d,\"ms\":%.5f,\"tflops\":%.3f,"
         "\"repeats\":%d,\"workspace_bytes\":%lld,\"status\":\"%s\"}\n",
         f.backward ? "bwd" : "fwd", r.engine.c_str(), ShortDType(r.dtype), r.d,
-        r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats, static_cast<long long>(r.workspace_bytes),
-        JsonEscape(r.status).c_str());
+        r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats,
+        static_cast<long long>(r.workspace_bytes), JsonEscape(r.status).c_str());
   } else if (r.status == "ok") {
     std::printf("%-6s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f\n", r.engine.c_str(),
                 ShortDType(r.dtype), r.d, r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.ms,

@@ -96,12 +96,10 @@ class CudaFusedEngine final : public Engine {
     } else {
       auto* cu_q = reinterpret_cast<int32_t*>(static_cast<char*>(lease.data()) + work);
       int32_t* cu_k = cu_q + entries;
-      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cu_q, p.cu_seqlens_q.data(),
-                                                entries * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                                stream));
-      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cu_k, p.cu_seqlens_k.data(),
-                                                entries * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                                stream));
+      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          cu_q, p.cu_seqlens_q.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          cu_k, p.cu_seqlens_k.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
       params.cu_seqlens_q = cu_q;
       params.cu_seqlens_k = cu_k;
     }

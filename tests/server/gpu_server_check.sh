@@ -6,6 +6,7 @@
 #   - every listed device took batches (its device pool was used) and reports cudaMemGetInfo
 #     gauges;
 #   - compute time was measured for the fused path (CUDA events on the lanes' streams);
+#   - training steps (AttendBackward) match the reference on the fused and naive paths;
 #   - tensors sent by reference to shared memory come back right, and under load;
 #   - SIGTERM drains and the server exits 0.
 #
@@ -71,6 +72,24 @@ check "fp16 d=64 requests match the reference" \
 check "fp16 requests with tensors in shared memory match the reference" \
   timeout 120 "${client}" attend --target="${target}" --check --shared_memory --dtype=float16 \
   --batch=2 --seqlen_q=64 --seqlen_k=200 --heads=8 --kv_heads=2 --head_dim=128 --count=3
+# Training steps through AttendBackward: the fused backward kernel on AUTO (checked to be the
+# engine that answered), the naive path on request, float32 (which only the naive path covers).
+# pipefail: a failed check fails the step even when the engine's name was printed.
+check "bf16 causal GQA d=128 backward on the fused kernel matches the reference" \
+  bash -c "set -o pipefail; timeout 120 '${client}' backward --target='${target}' --check --send_forward \
+    --dtype=bfloat16 --batch=2 --seqlen_q=700 --seqlen_k=700 --heads=16 --kv_heads=4 \
+    --head_dim=128 --causal --count=2 | tee '${out}/backward-fused.txt' | grep cuda_fused >/dev/null"
+check "fp16 d=64 backward with fewer queries than keys (fused, server recomputes O) matches" \
+  bash -c "set -o pipefail; timeout 120 '${client}' backward --target='${target}' --check --dtype=float16 \
+    --batch=2 --seqlen_q=129 --seqlen_k=513 --heads=8 --head_dim=64 --count=2 \
+    | tee '${out}/backward-fused-q-lt-k.txt' | grep cuda_fused >/dev/null"
+check "bf16 d=128 backward on the naive path (requested) matches the reference" \
+  bash -c "set -o pipefail; timeout 120 '${client}' backward --target='${target}' --check --send_forward \
+    --path=naive --dtype=bfloat16 --batch=2 --seqlen_q=300 --seqlen_k=300 --heads=8 \
+    --kv_heads=2 --head_dim=128 --causal | tee '${out}/backward-naive.txt' | grep cuda_naive >/dev/null"
+check "float32 backward (naive path) matches the reference" \
+  timeout 120 "${client}" backward --target="${target}" --check --dtype=float32 --batch=1 \
+  --seqlen_q=200 --seqlen_k=200 --heads=4 --head_dim=64
 # Four clients at once, two with page-locked shared-memory tensors and two inline, in one shape
 # family so that their requests share batches (direct DMA and staged copies in one launch).
 mixed_ok=1

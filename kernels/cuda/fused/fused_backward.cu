@@ -1,8 +1,6 @@
 // The fused backward pass: see fused_backward.h for the algorithm. Tensor-core products go
 // through WMMA fragments (16 x 16 x 16, float32 accumulation) on tiles held in shared memory;
 // compiled for the architectures the project builds (Ampere and Hopper).
-#include "cuda/fused/fused_backward.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -14,17 +12,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/mask.h"
+#include "cuda/fused/fused_backward.h"
 
 namespace attn::cuda {
 namespace {
 
 namespace wmma = nvcuda::wmma;
 
-constexpr int kBlockQ = 64;   // query rows per tile
-constexpr int kBlockK = 64;   // key rows per CTA
+constexpr int kBlockQ = 64;    // query rows per tile
+constexpr int kBlockK = 64;    // key rows per CTA
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
-constexpr int kPadHalf = 8;   // 16 bytes of padding per shared row: fewer bank conflicts
+constexpr int kPadHalf = 8;  // 16 bytes of padding per shared row: fewer bank conflicts
 constexpr int kPadFloat = 4;
 
 template <typename T>
@@ -109,8 +108,8 @@ __device__ __forceinline__ Sequence SequenceOf(const FusedBackwardParams& p, int
 
 // delta[h, t] = sum_c dO[t, h, c] * O[t, h, c] in float32: one warp per (token, head).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) RowDotKernel(const FusedBackwardParams p,
-                                                         float* delta) {
+__global__ void __launch_bounds__(kThreads)
+    RowDotKernel(const FusedBackwardParams p, float* delta) {
   const int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
   if (row >= p.total_q * p.num_heads) return;
   const int64_t t = row / p.num_heads;
@@ -126,8 +125,8 @@ __global__ void __launch_bounds__(kThreads) RowDotKernel(const FusedBackwardPara
 
 // dq[t, h, c] = accumulator, rounded to the dtype.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) StoreDqKernel(const FusedBackwardParams p,
-                                                          const float* dq_accum) {
+__global__ void __launch_bounds__(kThreads)
+    StoreDqKernel(const FusedBackwardParams p, const float* dq_accum) {
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   const int64_t row_elems = int64_t{p.num_heads} * p.head_dim;
   if (i >= p.total_q * row_elems) return;
@@ -332,8 +331,8 @@ cudaError_t Run(const FusedBackwardParams& p, cudaStream_t stream) {
   }
   const int64_t rows = p.total_q * p.num_heads;
   if (rows > 0) {
-    RowDotKernel<T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
-        p, delta);
+    RowDotKernel<T>
+        <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p, delta);
   }
 
   const bool aligned_inputs = Aligned16(p.q, p.q_token_stride, p.q_head_stride) &&
@@ -352,12 +351,12 @@ cudaError_t Run(const FusedBackwardParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.max_seqlen_k + kBlockK - 1) / kBlockK),
                   static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
   if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
-    kernel<<<grid, kThreads, shared, stream>>>(p, delta, dq_accum, aligned_inputs,
-                                               aligned_outputs);
+    kernel<<<grid, kThreads, shared, stream>>>(p, delta, dq_accum, aligned_inputs, aligned_outputs);
   }
   if (accum_elems > 0) {
-    StoreDqKernel<T><<<static_cast<unsigned>((accum_elems + kThreads - 1) / kThreads), kThreads,
-                       0, stream>>>(p, dq_accum);
+    StoreDqKernel<T>
+        <<<static_cast<unsigned>((accum_elems + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+            p, dq_accum);
   }
   return cudaGetLastError();
 }
