@@ -137,8 +137,13 @@ __global__ void __launch_bounds__(kThreads)
       FromFloat<T>(dq_accum[i]);
 }
 
+// Two CTAs per SM where shared memory allows it (d <= 96 on Hopper): the register cap that
+// brings (128 per thread) measured faster than one CTA with more registers.
+template <int D>
+constexpr int kMinBlocksPerSm = D <= 96 ? 2 : 1;
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     BackwardKernel(const FusedBackwardParams p, const float* delta, float* dq_accum,
                    bool aligned_inputs, bool aligned_outputs) {
   extern __shared__ __align__(128) unsigned char shared_raw[];
@@ -153,11 +158,17 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kLdProbs = kBlockK + kPadHalf;
   constexpr int kLdRows = D + kPadFloat;
   constexpr int kColTiles = D / 16;
-  // dK and dV are (kBlockK / 16) x kColTiles tiles each; every warp owns as many of both.
-  constexpr int kOwned = (kBlockK / 16) * kColTiles / kWarps;
-  static_assert((kBlockK / 16) * kColTiles % kWarps == 0, "head_dim must be a multiple of 32");
+  // dK and dV are (kBlockK / 16) x kColTiles tiles each (as is a query tile's dQ); every warp
+  // owns kOwned of them, consecutive in column-major order, so that its tiles mostly share a
+  // column and with it the B fragment of their products.
+  constexpr int kRowTiles = kBlockK / 16;
+  static_assert(kBlockQ == kBlockK, "dQ tiles reuse the dK/dV ownership");
+  constexpr int kOwned = kRowTiles * kColTiles / kWarps;
+  static_assert(kRowTiles * kColTiles % kWarps == 0, "head_dim must be a multiple of 32");
 
   const int warp = threadIdx.x / 32;
+  const auto owned_row = [&](int j) { return (warp * kOwned + j) % kRowTiles; };
+  const auto owned_col = [&](int j) { return (warp * kOwned + j) / kRowTiles; };
   const Sequence seq = SequenceOf(p, blockIdx.z);
   const int64_t k0 = int64_t{blockIdx.x} * kBlockK;
   if (k0 >= seq.lk) return;
@@ -199,27 +210,41 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
 
-      // S = Q K^T and dP = dO V^T, 4 x 4 tiles each.
-      for (int t = warp; t < (kBlockQ / 16) * (kBlockK / 16); t += kWarps) {
-        const int tr = t / (kBlockK / 16), tc = t % (kBlockK / 16);
-        Acc s, dp;
-        wmma::fill_fragment(s, 0.f);
-        wmma::fill_fragment(dp, 0.f);
+      // S = Q K^T and dP = dO V^T, 4 x 4 tiles each: a warp takes two tiles of one row, so
+      // each step loads its A fragment once for both.
+      static_assert((kBlockQ / 16) * (kBlockK / 16) == 2 * kWarps, "two score tiles per warp");
+      {
+        const int tr = warp / 2, tc0 = (warp % 2) * 2;
+        Acc s[2], dp[2];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          wmma::fill_fragment(s[x], 0.f);
+          wmma::fill_fragment(dp[x], 0.f);
+        }
 #pragma unroll
         for (int kk = 0; kk < D; kk += 16) {
           ARow a;
           BCol b;  // column-major view of a row-major [keys, D] tile: its transpose
           wmma::load_matrix_sync(a, &sm.q[tr * 16][kk], kLdT);
-          wmma::load_matrix_sync(b, &sm.k[tc * 16][kk], kLdT);
-          wmma::mma_sync(s, a, b, s);
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            wmma::load_matrix_sync(b, &sm.k[(tc0 + x) * 16][kk], kLdT);
+            wmma::mma_sync(s[x], a, b, s[x]);
+          }
           wmma::load_matrix_sync(a, &sm.d_o[tr * 16][kk], kLdT);
-          wmma::load_matrix_sync(b, &sm.v[tc * 16][kk], kLdT);
-          wmma::mma_sync(dp, a, b, dp);
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            wmma::load_matrix_sync(b, &sm.v[(tc0 + x) * 16][kk], kLdT);
+            wmma::mma_sync(dp[x], a, b, dp[x]);
+          }
         }
-        wmma::store_matrix_sync(&sm.u.scores.s[tr * 16][tc * 16], s, kLdScores,
-                                wmma::mem_row_major);
-        wmma::store_matrix_sync(&sm.u.scores.dp[tr * 16][tc * 16], dp, kLdScores,
-                                wmma::mem_row_major);
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          wmma::store_matrix_sync(&sm.u.scores.s[tr * 16][(tc0 + x) * 16], s[x], kLdScores,
+                                  wmma::mem_row_major);
+          wmma::store_matrix_sync(&sm.u.scores.dp[tr * 16][(tc0 + x) * 16], dp[x], kLdScores,
+                                  wmma::mem_row_major);
+        }
       }
       __syncthreads();
 
@@ -241,37 +266,53 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
 
-      // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end).
+      // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end). A warp's tiles share
+      // their column, so the B fragments (dO, Q) load once per step for all of them.
 #pragma unroll
-      for (int j = 0; j < kOwned; ++j) {
-        const int t = warp + j * kWarps;
-        const int tr = t / kColTiles, tc = t % kColTiles;
+      for (int kk = 0; kk < kBlockQ; kk += 16) {
+        BRow b_do, b_q;
+        int loaded_col = -1;
 #pragma unroll
-        for (int kk = 0; kk < kBlockQ; kk += 16) {
+        for (int j = 0; j < kOwned; ++j) {
+          const int tr = owned_row(j), tc = owned_col(j);
+          if (tc != loaded_col) {
+            wmma::load_matrix_sync(b_do, &sm.d_o[kk][tc * 16], kLdT);
+            wmma::load_matrix_sync(b_q, &sm.q[kk][tc * 16], kLdT);
+            loaded_col = tc;
+          }
           ACol a;  // column-major view of the row-major [queries, keys] tile: its transpose
-          BRow b;
           wmma::load_matrix_sync(a, &sm.p[kk][tr * 16], kLdProbs);
-          wmma::load_matrix_sync(b, &sm.d_o[kk][tc * 16], kLdT);
-          wmma::mma_sync(dv_acc[j], a, b, dv_acc[j]);
+          wmma::mma_sync(dv_acc[j], a, b_do, dv_acc[j]);
           wmma::load_matrix_sync(a, &sm.ds[kk][tr * 16], kLdProbs);
-          wmma::load_matrix_sync(b, &sm.q[kk][tc * 16], kLdT);
-          wmma::mma_sync(dk_acc[j], a, b, dk_acc[j]);
+          wmma::mma_sync(dk_acc[j], a, b_q, dk_acc[j]);
         }
       }
       // This tile's dQ = dS K, staged where S and dP were, then added to the accumulator.
-      for (int t = warp; t < (kBlockQ / 16) * kColTiles; t += kWarps) {
-        const int tr = t / kColTiles, tc = t % kColTiles;
-        Acc dq;
-        wmma::fill_fragment(dq, 0.f);
+      {
+        Acc dq[kOwned];
+#pragma unroll
+        for (int j = 0; j < kOwned; ++j) wmma::fill_fragment(dq[j], 0.f);
 #pragma unroll
         for (int kk = 0; kk < kBlockK; kk += 16) {
-          ARow a;
           BRow b;
-          wmma::load_matrix_sync(a, &sm.ds[tr * 16][kk], kLdProbs);
-          wmma::load_matrix_sync(b, &sm.k[kk][tc * 16], kLdT);
-          wmma::mma_sync(dq, a, b, dq);
+          int loaded_col = -1;
+#pragma unroll
+          for (int j = 0; j < kOwned; ++j) {
+            const int tr = owned_row(j), tc = owned_col(j);
+            if (tc != loaded_col) {
+              wmma::load_matrix_sync(b, &sm.k[kk][tc * 16], kLdT);
+              loaded_col = tc;
+            }
+            ARow a;
+            wmma::load_matrix_sync(a, &sm.ds[tr * 16][kk], kLdProbs);
+            wmma::mma_sync(dq[j], a, b, dq[j]);
+          }
         }
-        wmma::store_matrix_sync(&sm.u.rows[tr * 16][tc * 16], dq, kLdRows, wmma::mem_row_major);
+#pragma unroll
+        for (int j = 0; j < kOwned; ++j) {
+          wmma::store_matrix_sync(&sm.u.rows[owned_row(j) * 16][owned_col(j) * 16], dq[j], kLdRows,
+                                  wmma::mem_row_major);
+        }
       }
       __syncthreads();
       for (int i = threadIdx.x; i < rows * D; i += kThreads) {
@@ -287,10 +328,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < kOwned; ++j) {
-      const int t = warp + j * kWarps;
-      const int tr = t / kColTiles, tc = t % kColTiles;
-      wmma::store_matrix_sync(&sm.u.rows[tr * 16][tc * 16], pass == 0 ? dk_acc[j] : dv_acc[j],
-                              kLdRows, wmma::mem_row_major);
+      wmma::store_matrix_sync(&sm.u.rows[owned_row(j) * 16][owned_col(j) * 16],
+                              pass == 0 ? dk_acc[j] : dv_acc[j], kLdRows, wmma::mem_row_major);
     }
     __syncthreads();
     T* out = static_cast<T*>(pass == 0 ? p.dk : p.dv);
