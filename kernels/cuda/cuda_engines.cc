@@ -22,6 +22,19 @@ namespace {
 using cuda::AsStream;
 using cuda::FusedForwardParams;
 
+// Copies a variable-length problem's prefix sums to device memory at `at` (room for
+// 2 * cu_seqlens_q.size() int32s): the query sums, then the key sums. The copies are from
+// pageable memory, so they have read p's vectors when they return.
+absl::Status UploadSeqlens(const AttentionProblem& p, int32_t* at, cudaStream_t stream) {
+  const size_t entries = p.cu_seqlens_q.size();
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(at, p.cu_seqlens_q.data(), entries * sizeof(int32_t),
+                                            cudaMemcpyHostToDevice, stream));
+  return cuda::CudaStatus(cudaMemcpyAsync(at + entries, p.cu_seqlens_k.data(),
+                                          entries * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                          stream),
+                          "cudaMemcpyAsync(cu_seqlens_k)");
+}
+
 class CudaFusedEngine final : public Engine {
  public:
   CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel)
@@ -95,13 +108,9 @@ class CudaFusedEngine final : public Engine {
       params.seqlen_k = p.seqlen_k(0);
     } else {
       auto* cu_q = reinterpret_cast<int32_t*>(static_cast<char*>(lease.data()) + work);
-      int32_t* cu_k = cu_q + entries;
-      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          cu_q, p.cu_seqlens_q.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
-      ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          cu_k, p.cu_seqlens_k.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      ATTN_RETURN_IF_ERROR(UploadSeqlens(p, cu_q, stream));
       params.cu_seqlens_q = cu_q;
-      params.cu_seqlens_k = cu_k;
+      params.cu_seqlens_k = cu_q + entries;
     }
     return cuda::LaunchFusedBackward(params, stream);
   }
@@ -145,19 +154,14 @@ class CudaFusedEngine final : public Engine {
       params.seqlen_k = p.seqlen_k(0);
       return cuda::LaunchFusedForward(params, stream);
     }
-    // Variable lengths: the prefix sums travel to the device through the workspace. The copies
-    // are from pageable memory, so they have read p's vectors when they return.
+    // Variable lengths: the prefix sums travel to the device through the workspace.
     const size_t entries = p.cu_seqlens_q.size();
-    const size_t bytes = 2 * entries * sizeof(int32_t);
-    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease, pool_.Acquire(bytes, stream));
-    int32_t* cu_q = static_cast<int32_t*>(lease.data());
-    int32_t* cu_k = cu_q + entries;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        cu_q, p.cu_seqlens_q.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
-    ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        cu_k, p.cu_seqlens_k.data(), entries * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease,
+                          pool_.Acquire(2 * entries * sizeof(int32_t), stream));
+    auto* cu_q = static_cast<int32_t*>(lease.data());
+    ATTN_RETURN_IF_ERROR(UploadSeqlens(p, cu_q, stream));
     params.cu_seqlens_q = cu_q;
-    params.cu_seqlens_k = cu_k;
+    params.cu_seqlens_k = cu_q + entries;
     return cuda::LaunchFusedForward(params, stream);
   }
 

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/mask.h"
+#include "cuda/common/element_convert.cuh"
 #include "cuda/fused/fused_backward.h"
 
 namespace attn::cuda {
@@ -25,27 +26,6 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kPadHalf = 8;  // 16 bytes of padding per shared row: fewer bank conflicts
 constexpr int kPadFloat = 4;
-
-template <typename T>
-__device__ __forceinline__ float ToFloat(T x);
-template <>
-__device__ __forceinline__ float ToFloat<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 template <typename T, int D>
 struct SharedTiles {

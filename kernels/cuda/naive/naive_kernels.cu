@@ -5,6 +5,7 @@
 
 #include "attn/mask.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/common/element_convert.cuh"
 #include "cuda/naive/naive_kernels.h"
 
 namespace attn::cuda::naive {
@@ -13,21 +14,6 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kRowsPerBlock = 8;  // one warp per row
 constexpr int kThreads = kWarpSize * kRowsPerBlock;
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 __global__ void BuildPointersKernel(ChunkGeometry g, Operands x, GemmPointers out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
