@@ -29,10 +29,10 @@ absl::Status UploadSeqlens(const AttentionProblem& p, int32_t* at, cudaStream_t 
   const size_t entries = p.cu_seqlens_q.size();
   ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(at, p.cu_seqlens_q.data(), entries * sizeof(int32_t),
                                             cudaMemcpyHostToDevice, stream));
-  return cuda::CudaStatus(cudaMemcpyAsync(at + entries, p.cu_seqlens_k.data(),
-                                          entries * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                          stream),
-                          "cudaMemcpyAsync(cu_seqlens_k)");
+  return cuda::CudaStatus(
+      cudaMemcpyAsync(at + entries, p.cu_seqlens_k.data(), entries * sizeof(int32_t),
+                      cudaMemcpyHostToDevice, stream),
+      "cudaMemcpyAsync(cu_seqlens_k)");
 }
 
 class CudaFusedEngine final : public Engine {
