@@ -14,6 +14,7 @@
 #include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
 #include "cuda/fused/fused_backward.h"
+#include "cuda/fused/ptx.cuh"
 
 namespace attn::cuda {
 namespace {
@@ -27,12 +28,14 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPadHalf = 8;  // 16 bytes of padding per shared row: fewer bank conflicts
 constexpr int kPadFloat = 4;
 
+constexpr int kStages = 2;  // query tiles in flight: the next one loads while this one runs
+
 template <typename T, int D>
 struct SharedTiles {
   T k[kBlockK][D + kPadHalf];
   T v[kBlockK][D + kPadHalf];
-  T q[kBlockQ][D + kPadHalf];
-  T d_o[kBlockQ][D + kPadHalf];
+  T q[kStages][kBlockQ][D + kPadHalf];
+  T d_o[kStages][kBlockQ][D + kPadHalf];
   // S and dP of the current tile, then (once P and dS are formed) its dQ, and at the end dK
   // and dV on their way out.
   union {
@@ -44,8 +47,12 @@ struct SharedTiles {
   } u;
   T p[kBlockQ][kBlockK + kPadHalf];
   T ds[kBlockQ][kBlockK + kPadHalf];
-  float lse[kBlockQ];
-  float delta[kBlockQ];
+  float lse[kStages][kBlockQ];
+  float delta[kStages][kBlockQ];
+  // The current tile's visible keys per query row, as columns [begin, end) of this key block
+  // (empty for rows past the sequence and rows the forward saw no key for).
+  int visible_begin[kBlockQ];
+  int visible_end[kBlockQ];
 };
 
 // Rows [row0, row0 + valid) of head `head` of a strided [tokens, heads, D] tensor into a shared
@@ -68,6 +75,20 @@ __device__ void LoadTile(T (*tile)[D + kPadHalf], const T* base, int64_t token_s
     } else {
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
+  }
+}
+
+// LoadTile through cp.async (16-byte aligned rows only): the copies land while the CTA works
+// on the tile before; rows past `valid` are zero-filled without reading memory.
+template <typename T, int D, int kRows>
+__device__ void LoadTileAsync(T (*tile)[D + kPadHalf], const T* base, int64_t token_stride,
+                              int64_t head_offset, int64_t row0, int64_t valid) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = (i % kChunks) * 8;
+    const bool in = r < valid;
+    const T* src = in ? base + (row0 + r) * token_stride + head_offset + c : base;
+    ptx::CopyAsync16(ptx::SharedAddress(&tile[r][c]), src, in);
   }
 }
 
@@ -117,10 +138,34 @@ __global__ void __launch_bounds__(kThreads)
       FromFloat<T>(dq_accum[i]);
 }
 
-// Two CTAs per SM where shared memory allows it (d <= 96 on Hopper): the register cap that
-// brings (128 per thread) measured faster than one CTA with more registers.
+// Two CTAs per SM where their shared memory fits (d <= 64 on Hopper and Ampere's A100): the
+// register cap that brings (128 per thread) measured faster than one CTA with more registers.
+// dq[r][c] += factor * rows[r][c] for r < valid: four columns per atomic on Hopper (vector
+// atomics on global memory are sm_90's), one elsewhere. `dq` is 16-byte aligned and D a
+// multiple of 4, so every four-column group is too.
 template <int D>
-constexpr int kMinBlocksPerSm = D <= 96 ? 2 : 1;
+__device__ __forceinline__ void AddDq(float* dq, int64_t row_stride,
+                                      const float (*rows)[D + kPadFloat], int64_t valid,
+                                      float factor) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kQuads = D / 4;
+  for (int i = threadIdx.x; i < valid * kQuads; i += kThreads) {
+    const int r = i / kQuads, c = (i % kQuads) * 4;
+    const float4 x = *reinterpret_cast<const float4*>(&rows[r][c]);
+    atomicAdd(reinterpret_cast<float4*>(dq + r * row_stride + c),
+              make_float4(x.x * factor, x.y * factor, x.z * factor, x.w * factor));
+  }
+#else
+  for (int i = threadIdx.x; i < valid * D; i += kThreads) {
+    const int r = i / D, c = i % D;
+    atomicAdd(dq + r * row_stride + c, rows[r][c] * factor);
+  }
+#endif
+}
+
+constexpr size_t kSharedPerSm = 227 * 1024;  // the opt-in limit per SM on sm_80 and sm_90
+template <int D>
+constexpr int kMinBlocksPerSm = 2 * (sizeof(SharedTiles<__half, D>) + 1024) <= kSharedPerSm ? 2 : 1;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
@@ -174,133 +219,178 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     wmma::fill_fragment(dv_acc[j], 0.f);
   }
 
+  // The query tiles this block meets, head by head of its group: tiles_per_head of them from
+  // first_i0 on. Tile t + 1's Q, dO, LSE and D load (cp.async) while tile t runs.
   const int group = p.num_heads / p.num_kv_heads;
-  for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    for (int64_t i0 = first_row / kBlockQ * kBlockQ; i0 < end_row; i0 += kBlockQ) {
-      const int64_t rows = Min64(kBlockQ, seq.lq - i0);
-      __syncthreads();  // the previous tile's readers of q, d_o and u are done
-      LoadTile<T, D, kBlockQ>(sm.q, static_cast<const T*>(p.q), p.q_token_stride,
-                              h * p.q_head_stride, seq.q_start + i0, rows, aligned_inputs);
-      LoadTile<T, D, kBlockQ>(sm.d_o, static_cast<const T*>(p.d_o), p.do_token_stride,
-                              h * p.do_head_stride, seq.q_start + i0, rows, aligned_inputs);
-      for (int r = threadIdx.x; r < kBlockQ; r += kThreads) {
-        const int64_t at = h * p.total_q + seq.q_start + i0 + r;
-        sm.lse[r] = r < rows ? p.lse[at] : -INFINITY;
-        sm.delta[r] = r < rows ? delta[at] : 0.f;
-      }
-      __syncthreads();
+  const int64_t first_i0 = first_row / kBlockQ * kBlockQ;
+  const int64_t tiles_per_head =
+      end_row > first_i0 ? (end_row - first_i0 + kBlockQ - 1) / kBlockQ : 0;
+  const int64_t tiles = tiles_per_head * group;
+  const auto tile_head = [&](int64_t t) {
+    return kv_head * group + static_cast<int>(t / tiles_per_head);
+  };
+  const auto tile_row0 = [&](int64_t t) { return first_i0 + (t % tiles_per_head) * kBlockQ; };
+  const auto issue = [&](int64_t t) {
+    const int stage = static_cast<int>(t % kStages);
+    const int h = tile_head(t);
+    const int64_t i0 = tile_row0(t), rows = Min64(kBlockQ, seq.lq - i0);
+    const T* q = static_cast<const T*>(p.q);
+    const T* d_o = static_cast<const T*>(p.d_o);
+    if (aligned_inputs) {
+      LoadTileAsync<T, D, kBlockQ>(sm.q[stage], q, p.q_token_stride, h * p.q_head_stride,
+                                   seq.q_start + i0, rows);
+      LoadTileAsync<T, D, kBlockQ>(sm.d_o[stage], d_o, p.do_token_stride, h * p.do_head_stride,
+                                   seq.q_start + i0, rows);
+    } else {
+      LoadTile<T, D, kBlockQ>(sm.q[stage], q, p.q_token_stride, h * p.q_head_stride,
+                              seq.q_start + i0, rows, false);
+      LoadTile<T, D, kBlockQ>(sm.d_o[stage], d_o, p.do_token_stride, h * p.do_head_stride,
+                              seq.q_start + i0, rows, false);
+    }
+    // Thread r < kBlockQ loads row r's LSE and D; it alone reads them back (visible ranges).
+    if (threadIdx.x < kBlockQ) {
+      const int r = threadIdx.x;
+      const bool in = r < rows;
+      const int64_t at = h * p.total_q + seq.q_start + (in ? i0 + r : 0);
+      ptx::CopyAsync4(ptx::SharedAddress(&sm.lse[stage][r]), p.lse + at, in);
+      ptx::CopyAsync4(ptx::SharedAddress(&sm.delta[stage][r]), delta + at, in);
+    }
+    ptx::CommitAsyncGroup();
+  };
+  if (tiles > 0) issue(0);
 
-      // S = Q K^T and dP = dO V^T, 4 x 4 tiles each: a warp takes two tiles of one row, so
-      // each step loads its A fragment once for both.
-      static_assert((kBlockQ / 16) * (kBlockK / 16) == 2 * kWarps, "two score tiles per warp");
-      {
-        const int tr = warp / 2, tc0 = (warp % 2) * 2;
-        Acc s[2], dp[2];
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int stage = static_cast<int>(t % kStages);
+    const int h = tile_head(t);
+    const int64_t i0 = tile_row0(t), rows = Min64(kBlockQ, seq.lq - i0);
+    // Tile t - 1's readers of the other stage finished before its dQ went out (the barrier
+    // there), so the next tile may land in it now.
+    if (t + 1 < tiles) {
+      issue(t + 1);
+      ptx::WaitAsyncGroups<1>();
+    } else {
+      ptx::WaitAsyncGroups<0>();
+    }
+    if (threadIdx.x < kBlockQ) {
+      const int r = threadIdx.x;
+      int begin = 0, end = 0;
+      if (r < rows && sm.lse[stage][r] != -INFINITY) {
+        const KeyRange visible = VisibleKeys(i0 + r, seq.lq, seq.lk, p.window_left, p.window_right);
+        begin = static_cast<int>(Min64(Max64(visible.begin - k0, 0), keys));
+        end = static_cast<int>(Min64(Max64(visible.end - k0, 0), keys));
+      }
+      sm.visible_begin[r] = begin;
+      sm.visible_end[r] = end;
+    }
+    __syncthreads();  // this tile's Q, dO, LSE, D and ranges are in; last tile's dQ is out
+    const auto& tq = sm.q[stage];
+    const auto& tdo = sm.d_o[stage];
+
+    // S = Q K^T and dP = dO V^T, 4 x 4 tiles each: a warp takes two tiles of one row, so
+    // each step loads its A fragment once for both.
+    static_assert((kBlockQ / 16) * (kBlockK / 16) == 2 * kWarps, "two score tiles per warp");
+    {
+      const int tr = warp / 2, tc0 = (warp % 2) * 2;
+      Acc s[2], dp[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        wmma::fill_fragment(s[x], 0.f);
+        wmma::fill_fragment(dp[x], 0.f);
+      }
+#pragma unroll
+      for (int kk = 0; kk < D; kk += 16) {
+        ARow a;
+        BCol b;  // column-major view of a row-major [keys, D] tile: its transpose
+        wmma::load_matrix_sync(a, &tq[tr * 16][kk], kLdT);
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-          wmma::fill_fragment(s[x], 0.f);
-          wmma::fill_fragment(dp[x], 0.f);
+          wmma::load_matrix_sync(b, &sm.k[(tc0 + x) * 16][kk], kLdT);
+          wmma::mma_sync(s[x], a, b, s[x]);
         }
-#pragma unroll
-        for (int kk = 0; kk < D; kk += 16) {
-          ARow a;
-          BCol b;  // column-major view of a row-major [keys, D] tile: its transpose
-          wmma::load_matrix_sync(a, &sm.q[tr * 16][kk], kLdT);
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            wmma::load_matrix_sync(b, &sm.k[(tc0 + x) * 16][kk], kLdT);
-            wmma::mma_sync(s[x], a, b, s[x]);
-          }
-          wmma::load_matrix_sync(a, &sm.d_o[tr * 16][kk], kLdT);
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            wmma::load_matrix_sync(b, &sm.v[(tc0 + x) * 16][kk], kLdT);
-            wmma::mma_sync(dp[x], a, b, dp[x]);
-          }
-        }
+        wmma::load_matrix_sync(a, &tdo[tr * 16][kk], kLdT);
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-          wmma::store_matrix_sync(&sm.u.scores.s[tr * 16][(tc0 + x) * 16], s[x], kLdScores,
-                                  wmma::mem_row_major);
-          wmma::store_matrix_sync(&sm.u.scores.dp[tr * 16][(tc0 + x) * 16], dp[x], kLdScores,
-                                  wmma::mem_row_major);
+          wmma::load_matrix_sync(b, &sm.v[(tc0 + x) * 16][kk], kLdT);
+          wmma::mma_sync(dp[x], a, b, dp[x]);
         }
       }
-      __syncthreads();
-
-      // P = exp(scale * S - LSE) on visible keys, dS = P * (dP - D).
-      for (int i = threadIdx.x; i < kBlockQ * kBlockK; i += kThreads) {
-        const int r = i / kBlockK, c = i % kBlockK;
-        const float lse = sm.lse[r];
-        float prob = 0.f;
-        if (r < rows && c < keys && lse != -INFINITY) {
-          const KeyRange visible =
-              VisibleKeys(i0 + r, seq.lq, seq.lk, p.window_left, p.window_right);
-          const int64_t key = k0 + c;
-          if (key >= visible.begin && key < visible.end) {
-            prob = __expf(sm.u.scores.s[r][c] * p.scale - lse);
-          }
-        }
-        sm.p[r][c] = FromFloat<T>(prob);
-        sm.ds[r][c] = FromFloat<T>(prob * (sm.u.scores.dp[r][c] - sm.delta[r]));
-      }
-      __syncthreads();
-
-      // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end). A warp's tiles share
-      // their column, so the B fragments (dO, Q) load once per step for all of them.
 #pragma unroll
-      for (int kk = 0; kk < kBlockQ; kk += 16) {
-        BRow b_do, b_q;
+      for (int x = 0; x < 2; ++x) {
+        wmma::store_matrix_sync(&sm.u.scores.s[tr * 16][(tc0 + x) * 16], s[x], kLdScores,
+                                wmma::mem_row_major);
+        wmma::store_matrix_sync(&sm.u.scores.dp[tr * 16][(tc0 + x) * 16], dp[x], kLdScores,
+                                wmma::mem_row_major);
+      }
+    }
+    __syncthreads();
+
+    // P = exp(scale * S - LSE) on visible keys, dS = P * (dP - D); two columns a step.
+    for (int i = threadIdx.x; i < kBlockQ * kBlockK / 2; i += kThreads) {
+      const int r = i / (kBlockK / 2), c = (i % (kBlockK / 2)) * 2;
+      const float lse = sm.lse[stage][r], row_delta = sm.delta[stage][r];
+      const int begin = sm.visible_begin[r], end = sm.visible_end[r];
+      const float2 score = *reinterpret_cast<const float2*>(&sm.u.scores.s[r][c]);
+      const float2 dprob = *reinterpret_cast<const float2*>(&sm.u.scores.dp[r][c]);
+      const float p0 = c >= begin && c < end ? __expf(fmaf(score.x, p.scale, -lse)) : 0.f;
+      const float p1 = c + 1 >= begin && c + 1 < end ? __expf(fmaf(score.y, p.scale, -lse)) : 0.f;
+      sm.p[r][c] = FromFloat<T>(p0);
+      sm.p[r][c + 1] = FromFloat<T>(p1);
+      sm.ds[r][c] = FromFloat<T>(p0 * (dprob.x - row_delta));
+      sm.ds[r][c + 1] = FromFloat<T>(p1 * (dprob.y - row_delta));
+    }
+    __syncthreads();
+
+    // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end). A warp's tiles share
+    // their column, so the B fragments (dO, Q) load once per step for all of them.
+#pragma unroll
+    for (int kk = 0; kk < kBlockQ; kk += 16) {
+      BRow b_do, b_q;
+      int loaded_col = -1;
+#pragma unroll
+      for (int j = 0; j < kOwned; ++j) {
+        const int tr = owned_row(j), tc = owned_col(j);
+        if (tc != loaded_col) {
+          wmma::load_matrix_sync(b_do, &tdo[kk][tc * 16], kLdT);
+          wmma::load_matrix_sync(b_q, &tq[kk][tc * 16], kLdT);
+          loaded_col = tc;
+        }
+        ACol a;  // column-major view of the row-major [queries, keys] tile: its transpose
+        wmma::load_matrix_sync(a, &sm.p[kk][tr * 16], kLdProbs);
+        wmma::mma_sync(dv_acc[j], a, b_do, dv_acc[j]);
+        wmma::load_matrix_sync(a, &sm.ds[kk][tr * 16], kLdProbs);
+        wmma::mma_sync(dk_acc[j], a, b_q, dk_acc[j]);
+      }
+    }
+    // This tile's dQ = dS K, staged where S and dP were, then added to the accumulator.
+    {
+      Acc dq[kOwned];
+#pragma unroll
+      for (int j = 0; j < kOwned; ++j) wmma::fill_fragment(dq[j], 0.f);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK; kk += 16) {
+        BRow b;
         int loaded_col = -1;
 #pragma unroll
         for (int j = 0; j < kOwned; ++j) {
           const int tr = owned_row(j), tc = owned_col(j);
           if (tc != loaded_col) {
-            wmma::load_matrix_sync(b_do, &sm.d_o[kk][tc * 16], kLdT);
-            wmma::load_matrix_sync(b_q, &sm.q[kk][tc * 16], kLdT);
+            wmma::load_matrix_sync(b, &sm.k[kk][tc * 16], kLdT);
             loaded_col = tc;
           }
-          ACol a;  // column-major view of the row-major [queries, keys] tile: its transpose
-          wmma::load_matrix_sync(a, &sm.p[kk][tr * 16], kLdProbs);
-          wmma::mma_sync(dv_acc[j], a, b_do, dv_acc[j]);
-          wmma::load_matrix_sync(a, &sm.ds[kk][tr * 16], kLdProbs);
-          wmma::mma_sync(dk_acc[j], a, b_q, dk_acc[j]);
+          ARow a;
+          wmma::load_matrix_sync(a, &sm.ds[tr * 16][kk], kLdProbs);
+          wmma::mma_sync(dq[j], a, b, dq[j]);
         }
       }
-      // This tile's dQ = dS K, staged where S and dP were, then added to the accumulator.
-      {
-        Acc dq[kOwned];
 #pragma unroll
-        for (int j = 0; j < kOwned; ++j) wmma::fill_fragment(dq[j], 0.f);
-#pragma unroll
-        for (int kk = 0; kk < kBlockK; kk += 16) {
-          BRow b;
-          int loaded_col = -1;
-#pragma unroll
-          for (int j = 0; j < kOwned; ++j) {
-            const int tr = owned_row(j), tc = owned_col(j);
-            if (tc != loaded_col) {
-              wmma::load_matrix_sync(b, &sm.k[kk][tc * 16], kLdT);
-              loaded_col = tc;
-            }
-            ARow a;
-            wmma::load_matrix_sync(a, &sm.ds[tr * 16][kk], kLdProbs);
-            wmma::mma_sync(dq[j], a, b, dq[j]);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kOwned; ++j) {
-          wmma::store_matrix_sync(&sm.u.rows[owned_row(j) * 16][owned_col(j) * 16], dq[j], kLdRows,
-                                  wmma::mem_row_major);
-        }
-      }
-      __syncthreads();
-      for (int i = threadIdx.x; i < rows * D; i += kThreads) {
-        const int r = i / D, c = i % D;
-        atomicAdd(&dq_accum[((seq.q_start + i0 + r) * p.num_heads + h) * D + c],
-                  sm.u.rows[r][c] * p.scale);
+      for (int j = 0; j < kOwned; ++j) {
+        wmma::store_matrix_sync(&sm.u.rows[owned_row(j) * 16][owned_col(j) * 16], dq[j], kLdRows,
+                                wmma::mem_row_major);
       }
     }
+    __syncthreads();
+    AddDq<D>(dq_accum + ((seq.q_start + i0) * p.num_heads + h) * D, int64_t{p.num_heads} * D,
+             sm.u.rows, rows, p.scale);
   }
 
   // dK (scaled) and dV of this block, through shared memory to the dtype.
@@ -333,6 +423,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
   }
 }
 
+// The workspace holds D, padded to 16 bytes so that the dQ accumulator after it takes vector
+// atomics, then the accumulator.
+int64_t DeltaFloats(int64_t rows) { return (rows + 3) / 4 * 4; }
+
 bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
   constexpr int64_t kElemsPer16Bytes = 8;  // 16-bit elements
   return reinterpret_cast<uintptr_t>(data) % 16 == 0 && token_stride % kElemsPer16Bytes == 0 &&
@@ -342,7 +436,7 @@ bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
 template <typename T, int D>
 cudaError_t Run(const FusedBackwardParams& p, cudaStream_t stream) {
   float* delta = static_cast<float*>(p.workspace);
-  float* dq_accum = delta + p.num_heads * p.total_q;
+  float* dq_accum = delta + DeltaFloats(p.num_heads * p.total_q);
   const int64_t accum_elems = p.total_q * p.num_heads * D;
   if (cudaError_t e = cudaMemsetAsync(dq_accum, 0, accum_elems * sizeof(float), stream);
       e != cudaSuccess) {
@@ -415,7 +509,7 @@ absl::Status FusedBackwardSupports(const AttentionProblem& p) {
 
 int64_t FusedBackwardWorkspaceBytes(const AttentionProblem& p) {
   const int64_t rows = p.total_q() * p.num_heads;
-  return rows * static_cast<int64_t>(sizeof(float)) * (1 + p.head_dim);
+  return (DeltaFloats(rows) + rows * p.head_dim) * static_cast<int64_t>(sizeof(float));
 }
 
 absl::Status LaunchFusedBackward(const FusedBackwardParams& p, void* stream) {

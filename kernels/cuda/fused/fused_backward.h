@@ -50,7 +50,8 @@ struct FusedBackwardParams {
   int window_left = -1;   // effective: negative = unbounded
   int window_right = -1;  // effective: causal already folded in (0)
   DType dtype = DType::kBF16;
-  // Workspace (device, FusedBackwardWorkspaceBytes): D, then the dQ accumulator.
+  // Workspace (device, FusedBackwardWorkspaceBytes): D (padded to 16 bytes), then the dQ
+  // accumulator.
   void* workspace = nullptr;
 };
 

@@ -22,6 +22,14 @@ __device__ __forceinline__ void CopyAsync16(uint32_t dst_smem, const void* src, 
                "r"(src_size));
 }
 
+// 4-byte asynchronous copy through L1 (.ca: the only cache mode that takes sizes under 16),
+// zero-filled when `valid` is false.
+__device__ __forceinline__ void CopyAsync4(uint32_t dst_smem, const void* src, bool valid) {
+  const int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_smem), "l"(src),
+               "r"(src_size));
+}
+
 __device__ __forceinline__ void CommitAsyncGroup() { asm volatile("cp.async.commit_group;\n"); }
 
 template <int kPendingGroups>
