@@ -1,10 +1,9 @@
-// The fused backward pass: see fused_backward.h for the algorithm. Tensor-core products go
-// through WMMA fragments (16 x 16 x 16, float32 accumulation) on tiles held in shared memory;
-// compiled for the architectures the project builds (Ampere and Hopper).
+// The fused backward pass: see fused_backward.h for the algorithm. Tensor-core products are
+// m16n8k16 MMAs (float32 accumulation) on fragments loaded with ldmatrix from tiles in shared
+// memory; S, dP and dQ stay in registers. Compiled for Ampere and Hopper.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <cmath>
 #include <cstdint>
@@ -19,14 +18,11 @@
 namespace attn::cuda {
 namespace {
 
-namespace wmma = nvcuda::wmma;
-
 constexpr int kBlockQ = 64;    // query rows per tile
 constexpr int kBlockK = 64;    // key rows per CTA
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kPadHalf = 8;  // 16 bytes of padding per shared row: fewer bank conflicts
-constexpr int kPadFloat = 4;
 
 constexpr int kStages = 2;  // query tiles in flight: the next one loads while this one runs
 
@@ -36,15 +32,7 @@ struct SharedTiles {
   T v[kBlockK][D + kPadHalf];
   T q[kStages][kBlockQ][D + kPadHalf];
   T d_o[kStages][kBlockQ][D + kPadHalf];
-  // S and dP of the current tile, then (once P and dS are formed) its dQ, and at the end dK
-  // and dV on their way out.
-  union {
-    struct {
-      float s[kBlockQ][kBlockK + kPadFloat];
-      float dp[kBlockQ][kBlockK + kPadFloat];
-    } scores;
-    float rows[kBlockQ][D + kPadFloat];
-  } u;
+  // P and dS of the current tile: every warp reads all of them, transposed for dK and dV.
   T p[kBlockQ][kBlockK + kPadHalf];
   T ds[kBlockQ][kBlockK + kPadHalf];
   float lse[kStages][kBlockQ];
@@ -138,34 +126,44 @@ __global__ void __launch_bounds__(kThreads)
       FromFloat<T>(dq_accum[i]);
 }
 
-// Two CTAs per SM where their shared memory fits (d <= 64 on Hopper and Ampere's A100): the
+// Two CTAs per SM where their shared memory fits (d <= 96 on Hopper and Ampere's A100): the
 // register cap that brings (128 per thread) measured faster than one CTA with more registers.
-// dq[r][c] += factor * rows[r][c] for r < valid: four columns per atomic on Hopper (vector
-// atomics on global memory are sm_90's), one elsewhere. `dq` is 16-byte aligned and D a
-// multiple of 4, so every four-column group is too.
-template <int D>
-__device__ __forceinline__ void AddDq(float* dq, int64_t row_stride,
-                                      const float (*rows)[D + kPadFloat], int64_t valid,
-                                      float factor) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kQuads = D / 4;
-  for (int i = threadIdx.x; i < valid * kQuads; i += kThreads) {
-    const int r = i / kQuads, c = (i % kQuads) * 4;
-    const float4 x = *reinterpret_cast<const float4*>(&rows[r][c]);
-    atomicAdd(reinterpret_cast<float4*>(dq + r * row_stride + c),
-              make_float4(x.x * factor, x.y * factor, x.z * factor, x.w * factor));
-  }
-#else
-  for (int i = threadIdx.x; i < valid * D; i += kThreads) {
-    const int r = i / D, c = i % D;
-    atomicAdd(dq + r * row_stride + c, rows[r][c] * factor);
-  }
-#endif
-}
-
 constexpr size_t kSharedPerSm = 227 * 1024;  // the opt-in limit per SM on sm_80 and sm_90
 template <int D>
 constexpr int kMinBlocksPerSm = 2 * (sizeof(SharedTiles<__half, D>) + 1024) <= kSharedPerSm ? 2 : 1;
+
+// Tensor-core fragments of m16n8k16 (ptx::Mma16816) loaded from padded row-major shared tiles
+// with ldmatrix. Lane l addresses row l % 8 of 8x8 matrix l / 8.
+struct Fragments {
+  int matrix, row;  // this lane's ldmatrix role
+  __device__ Fragments() : matrix(threadIdx.x % 32 / 8), row(threadIdx.x % 8) {}
+
+  // A (16 x 16) = X[m0.., k0..] of a row-major X.
+  template <typename T, int kLd>
+  __device__ void A(uint32_t (&a)[4], const T (*x)[kLd], int m0, int k0) const {
+    ptx::LoadMatrixX4(a,
+                      ptx::SharedAddress(&x[m0 + row + (matrix & 1) * 8][k0 + (matrix >> 1) * 8]));
+  }
+  // A (16 x 16) = X^T[m0.., k0..] of a row-major X (X's rows are A's columns).
+  template <typename T, int kLd>
+  __device__ void ATransposed(uint32_t (&a)[4], const T (*x)[kLd], int m0, int k0) const {
+    ptx::LoadMatrixX4Transposed(
+        a, ptx::SharedAddress(&x[k0 + row + (matrix >> 1) * 8][m0 + (matrix & 1) * 8]));
+  }
+  // B for columns n0.. and n0 + 8.. (b[0], b[1] and b[2], b[3]) where B = X^T: X row-major
+  // [n][k], as K is for S = Q K^T.
+  template <typename T, int kLd>
+  __device__ void BOfRows(uint32_t (&b)[4], const T (*x)[kLd], int n0, int k0) const {
+    ptx::LoadMatrixX4(b,
+                      ptx::SharedAddress(&x[n0 + row + (matrix >> 1) * 8][k0 + (matrix & 1) * 8]));
+  }
+  // The same where B = X: X row-major [k][n], as dO is for dV = P^T dO.
+  template <typename T, int kLd>
+  __device__ void BOfColumns(uint32_t (&b)[4], const T (*x)[kLd], int k0, int n0) const {
+    ptx::LoadMatrixX4Transposed(
+        b, ptx::SharedAddress(&x[k0 + row + (matrix & 1) * 8][n0 + (matrix >> 1) * 8]));
+  }
+};
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
@@ -173,27 +171,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
                    bool aligned_inputs, bool aligned_outputs) {
   extern __shared__ __align__(128) unsigned char shared_raw[];
   auto& sm = *reinterpret_cast<SharedTiles<T, D>*>(shared_raw);
-  using ARow = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
-  using ACol = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
-  using BRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
-  using BCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
-  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-  constexpr int kLdT = D + kPadHalf;
-  constexpr int kLdScores = kBlockK + kPadFloat;
-  constexpr int kLdProbs = kBlockK + kPadHalf;
-  constexpr int kLdRows = D + kPadFloat;
-  constexpr int kColTiles = D / 16;
-  // dK and dV are (kBlockK / 16) x kColTiles tiles each (as is a query tile's dQ); every warp
-  // owns kOwned of them, consecutive in column-major order, so that its tiles mostly share a
-  // column and with it the B fragment of their products.
-  constexpr int kRowTiles = kBlockK / 16;
-  static_assert(kBlockQ == kBlockK, "dQ tiles reuse the dK/dV ownership");
-  constexpr int kOwned = kRowTiles * kColTiles / kWarps;
-  static_assert(kRowTiles * kColTiles % kWarps == 0, "head_dim must be a multiple of 32");
+  // Warp w owns rows [16 (w % 4), +16) of every product: query rows of S, dP and dQ, key rows
+  // of dK and dV. Its columns: keys [32 (w / 4), +32) of S and dP, and half the head dimension,
+  // [kHalf (w / 4), +kHalf), of dK, dV and dQ, as kColTiles tiles of 8.
+  static_assert(kBlockQ == 64 && kBlockK == 64 && kThreads == 256, "the warp layout below");
+  constexpr int kHalf = D / 2;
+  constexpr int kColTiles = kHalf / 8;
+  static_assert(kHalf % 16 == 0, "head_dim must be a multiple of 32");
+  constexpr int kKeyTiles = 4;  // 32 keys of S and dP per warp
 
-  const int warp = threadIdx.x / 32;
-  const auto owned_row = [&](int j) { return (warp * kOwned + j) % kRowTiles; };
-  const auto owned_col = [&](int j) { return (warp * kOwned + j) / kRowTiles; };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row0 = (warp % 4) * 16;
+  const int key0 = (warp / 4) * 32;
+  const int col0 = (warp / 4) * kHalf;
+  const int g = lane / 4, pair = (lane % 4) * 2;  // accumulator: rows g, g + 8; columns pair, +1
+  const Fragments frag;
+
   const Sequence seq = SequenceOf(p, blockIdx.z);
   const int64_t k0 = int64_t{blockIdx.x} * kBlockK;
   if (k0 >= seq.lk) return;
@@ -206,18 +199,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
                           kv_head * p.v_head_stride, seq.k_start + k0, keys, aligned_inputs);
 
   // The query rows whose window can reach this key block (query row i sits at key position
-  // i + lk - lq); the mask below trims the rest.
+  // i + lk - lq); the per-row ranges below trim the rest.
   const int64_t shift = seq.lk - seq.lq;
   int64_t first_row = 0, end_row = seq.lq;
   if (p.window_right >= 0) first_row = Max64(0, k0 - p.window_right - shift);
   if (p.window_left >= 0) end_row = Min64(seq.lq, k0 + keys + p.window_left - shift);
 
-  Acc dk_acc[kOwned], dv_acc[kOwned];
-#pragma unroll
-  for (int j = 0; j < kOwned; ++j) {
-    wmma::fill_fragment(dk_acc[j], 0.f);
-    wmma::fill_fragment(dv_acc[j], 0.f);
-  }
+  float dk[kColTiles][4] = {}, dv[kColTiles][4] = {};
 
   // The query tiles this block meets, head by head of its group: tiles_per_head of them from
   // first_i0 on. Tile t + 1's Q, dO, LSE and D load (cp.async) while tile t runs.
@@ -247,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
       LoadTile<T, D, kBlockQ>(sm.d_o[stage], d_o, p.do_token_stride, h * p.do_head_stride,
                               seq.q_start + i0, rows, false);
     }
-    // Thread r < kBlockQ loads row r's LSE and D; it alone reads them back (visible ranges).
+    // Thread r < kBlockQ loads row r's LSE and D; it alone reads the LSE back (visible ranges).
     if (threadIdx.x < kBlockQ) {
       const int r = threadIdx.x;
       const bool in = r < rows;
@@ -263,14 +251,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     const int stage = static_cast<int>(t % kStages);
     const int h = tile_head(t);
     const int64_t i0 = tile_row0(t), rows = Min64(kBlockQ, seq.lq - i0);
-    // Tile t - 1's readers of the other stage finished before its dQ went out (the barrier
-    // there), so the next tile may land in it now.
-    if (t + 1 < tiles) {
-      issue(t + 1);
-      ptx::WaitAsyncGroups<1>();
-    } else {
-      ptx::WaitAsyncGroups<0>();
-    }
+    ptx::WaitAsyncGroups<0>();  // tile t, the only group in flight
     if (threadIdx.x < kBlockQ) {
       const int r = threadIdx.x;
       int begin = 0, end = 0;
@@ -282,142 +263,124 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
       sm.visible_begin[r] = begin;
       sm.visible_end[r] = end;
     }
-    __syncthreads();  // this tile's Q, dO, LSE, D and ranges are in; last tile's dQ is out
+    // Tile t's Q, dO, LSE, D and ranges are in; every warp is done with tile t - 1 (its P, dS
+    // and stage), so the next tile may land in that stage.
+    __syncthreads();
+    if (t + 1 < tiles) issue(t + 1);
     const auto& tq = sm.q[stage];
     const auto& tdo = sm.d_o[stage];
 
-    // S = Q K^T and dP = dO V^T, 4 x 4 tiles each: a warp takes two tiles of one row, so
-    // each step loads its A fragment once for both.
-    static_assert((kBlockQ / 16) * (kBlockK / 16) == 2 * kWarps, "two score tiles per warp");
-    {
-      const int tr = warp / 2, tc0 = (warp % 2) * 2;
-      Acc s[2], dp[2];
+    // S = Q K^T and dP = dO V^T for this warp's 16 query rows x 32 keys, in registers.
+    float s[kKeyTiles][4] = {}, dp[kKeyTiles][4] = {};
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        wmma::fill_fragment(s[x], 0.f);
-        wmma::fill_fragment(dp[x], 0.f);
+    for (int kk = 0; kk < D; kk += 16) {
+      uint32_t a[4], b[4];
+      frag.A(a, tq, row0, kk);
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; n += 2) {
+        frag.BOfRows(b, sm.k, key0 + n * 8, kk);
+        ptx::Mma16816<T>(s[n], a, b[0], b[1]);
+        ptx::Mma16816<T>(s[n + 1], a, b[2], b[3]);
       }
+      frag.A(a, tdo, row0, kk);
 #pragma unroll
-      for (int kk = 0; kk < D; kk += 16) {
-        ARow a;
-        BCol b;  // column-major view of a row-major [keys, D] tile: its transpose
-        wmma::load_matrix_sync(a, &tq[tr * 16][kk], kLdT);
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          wmma::load_matrix_sync(b, &sm.k[(tc0 + x) * 16][kk], kLdT);
-          wmma::mma_sync(s[x], a, b, s[x]);
-        }
-        wmma::load_matrix_sync(a, &tdo[tr * 16][kk], kLdT);
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          wmma::load_matrix_sync(b, &sm.v[(tc0 + x) * 16][kk], kLdT);
-          wmma::mma_sync(dp[x], a, b, dp[x]);
-        }
-      }
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        wmma::store_matrix_sync(&sm.u.scores.s[tr * 16][(tc0 + x) * 16], s[x], kLdScores,
-                                wmma::mem_row_major);
-        wmma::store_matrix_sync(&sm.u.scores.dp[tr * 16][(tc0 + x) * 16], dp[x], kLdScores,
-                                wmma::mem_row_major);
+      for (int n = 0; n < kKeyTiles; n += 2) {
+        frag.BOfRows(b, sm.v, key0 + n * 8, kk);
+        ptx::Mma16816<T>(dp[n], a, b[0], b[1]);
+        ptx::Mma16816<T>(dp[n + 1], a, b[2], b[3]);
       }
     }
-    __syncthreads();
-
-    // P = exp(scale * S - LSE) on visible keys, dS = P * (dP - D); two columns a step.
-    for (int i = threadIdx.x; i < kBlockQ * kBlockK / 2; i += kThreads) {
-      const int r = i / (kBlockK / 2), c = (i % (kBlockK / 2)) * 2;
+    // P = exp(scale * S - LSE) on visible keys and dS = P * (dP - D), into shared memory.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + g + half * 8;
       const float lse = sm.lse[stage][r], row_delta = sm.delta[stage][r];
       const int begin = sm.visible_begin[r], end = sm.visible_end[r];
-      const float2 score = *reinterpret_cast<const float2*>(&sm.u.scores.s[r][c]);
-      const float2 dprob = *reinterpret_cast<const float2*>(&sm.u.scores.dp[r][c]);
-      const float p0 = c >= begin && c < end ? __expf(fmaf(score.x, p.scale, -lse)) : 0.f;
-      const float p1 = c + 1 >= begin && c + 1 < end ? __expf(fmaf(score.y, p.scale, -lse)) : 0.f;
-      sm.p[r][c] = FromFloat<T>(p0);
-      sm.p[r][c + 1] = FromFloat<T>(p1);
-      sm.ds[r][c] = FromFloat<T>(p0 * (dprob.x - row_delta));
-      sm.ds[r][c + 1] = FromFloat<T>(p1 * (dprob.y - row_delta));
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        const int c = key0 + n * 8 + pair;
+        const float x0 = s[n][half * 2], x1 = s[n][half * 2 + 1];
+        const float p0 = c >= begin && c < end ? __expf(fmaf(x0, p.scale, -lse)) : 0.f;
+        const float p1 = c + 1 >= begin && c + 1 < end ? __expf(fmaf(x1, p.scale, -lse)) : 0.f;
+        *reinterpret_cast<uint32_t*>(&sm.p[r][c]) = ptx::PackPair<T>(p0, p1);
+        *reinterpret_cast<uint32_t*>(&sm.ds[r][c]) = ptx::PackPair<T>(
+            p0 * (dp[n][half * 2] - row_delta), p1 * (dp[n][half * 2 + 1] - row_delta));
+      }
     }
     __syncthreads();
 
-    // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end). A warp's tiles share
-    // their column, so the B fragments (dO, Q) load once per step for all of them.
+    // dV += P^T dO and dK += dS^T Q (dS^T Q is scaled once, at the end): this warp's 16 keys x
+    // kHalf columns, over the tile's 64 queries.
 #pragma unroll
     for (int kk = 0; kk < kBlockQ; kk += 16) {
-      BRow b_do, b_q;
-      int loaded_col = -1;
+      uint32_t a_p[4], a_ds[4], b[4];
+      frag.ATransposed(a_p, sm.p, row0, kk);
+      frag.ATransposed(a_ds, sm.ds, row0, kk);
 #pragma unroll
-      for (int j = 0; j < kOwned; ++j) {
-        const int tr = owned_row(j), tc = owned_col(j);
-        if (tc != loaded_col) {
-          wmma::load_matrix_sync(b_do, &tdo[kk][tc * 16], kLdT);
-          wmma::load_matrix_sync(b_q, &tq[kk][tc * 16], kLdT);
-          loaded_col = tc;
-        }
-        ACol a;  // column-major view of the row-major [queries, keys] tile: its transpose
-        wmma::load_matrix_sync(a, &sm.p[kk][tr * 16], kLdProbs);
-        wmma::mma_sync(dv_acc[j], a, b_do, dv_acc[j]);
-        wmma::load_matrix_sync(a, &sm.ds[kk][tr * 16], kLdProbs);
-        wmma::mma_sync(dk_acc[j], a, b_q, dk_acc[j]);
+      for (int n = 0; n < kColTiles; n += 2) {
+        frag.BOfColumns(b, tdo, kk, col0 + n * 8);
+        ptx::Mma16816<T>(dv[n], a_p, b[0], b[1]);
+        ptx::Mma16816<T>(dv[n + 1], a_p, b[2], b[3]);
+        frag.BOfColumns(b, tq, kk, col0 + n * 8);
+        ptx::Mma16816<T>(dk[n], a_ds, b[0], b[1]);
+        ptx::Mma16816<T>(dk[n + 1], a_ds, b[2], b[3]);
       }
     }
-    // This tile's dQ = dS K, staged where S and dP were, then added to the accumulator.
+    // This tile's dQ = dS K (16 query rows x kHalf columns), added to the accumulator from
+    // registers: two columns per atomic on Hopper.
     {
-      Acc dq[kOwned];
-#pragma unroll
-      for (int j = 0; j < kOwned; ++j) wmma::fill_fragment(dq[j], 0.f);
+      float dq[kColTiles][4] = {};
 #pragma unroll
       for (int kk = 0; kk < kBlockK; kk += 16) {
-        BRow b;
-        int loaded_col = -1;
+        uint32_t a[4], b[4];
+        frag.A(a, sm.ds, row0, kk);
 #pragma unroll
-        for (int j = 0; j < kOwned; ++j) {
-          const int tr = owned_row(j), tc = owned_col(j);
-          if (tc != loaded_col) {
-            wmma::load_matrix_sync(b, &sm.k[kk][tc * 16], kLdT);
-            loaded_col = tc;
-          }
-          ARow a;
-          wmma::load_matrix_sync(a, &sm.ds[tr * 16][kk], kLdProbs);
-          wmma::mma_sync(dq[j], a, b, dq[j]);
+        for (int n = 0; n < kColTiles; n += 2) {
+          frag.BOfColumns(b, sm.k, kk, col0 + n * 8);
+          ptx::Mma16816<T>(dq[n], a, b[0], b[1]);
+          ptx::Mma16816<T>(dq[n + 1], a, b[2], b[3]);
         }
       }
 #pragma unroll
-      for (int j = 0; j < kOwned; ++j) {
-        wmma::store_matrix_sync(&sm.u.rows[owned_row(j) * 16][owned_col(j) * 16], dq[j], kLdRows,
-                                wmma::mem_row_major);
+      for (int half = 0; half < 2; ++half) {
+        const int r = row0 + g + half * 8;
+        if (r >= rows) continue;
+        float* out = dq_accum + ((seq.q_start + i0 + r) * p.num_heads + h) * D + col0 + pair;
+#pragma unroll
+        for (int n = 0; n < kColTiles; ++n) {
+          const float x0 = dq[n][half * 2] * p.scale, x1 = dq[n][half * 2 + 1] * p.scale;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          atomicAdd(reinterpret_cast<float2*>(out + n * 8), make_float2(x0, x1));
+#else
+          atomicAdd(out + n * 8, x0);
+          atomicAdd(out + n * 8 + 1, x1);
+#endif
+        }
       }
     }
-    __syncthreads();
-    AddDq<D>(dq_accum + ((seq.q_start + i0) * p.num_heads + h) * D, int64_t{p.num_heads} * D,
-             sm.u.rows, rows, p.scale);
   }
 
-  // dK (scaled) and dV of this block, through shared memory to the dtype.
-  for (int pass = 0; pass < 2; ++pass) {
-    __syncthreads();
+  // dK (scaled) and dV of this block, from registers to the dtype.
 #pragma unroll
-    for (int j = 0; j < kOwned; ++j) {
-      wmma::store_matrix_sync(&sm.u.rows[owned_row(j) * 16][owned_col(j) * 16],
-                              pass == 0 ? dk_acc[j] : dv_acc[j], kLdRows, wmma::mem_row_major);
-    }
-    __syncthreads();
-    T* out = static_cast<T*>(pass == 0 ? p.dk : p.dv);
-    const int64_t token_stride = pass == 0 ? p.dk_token_stride : p.dv_token_stride;
-    const int64_t head_offset = kv_head * (pass == 0 ? p.dk_head_stride : p.dv_head_stride);
-    const float factor = pass == 0 ? p.scale : 1.f;
-    constexpr int kChunks = D / 8;
-    for (int i = threadIdx.x; i < keys * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = (i % kChunks) * 8;
-      alignas(16) T values[8];
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + g + half * 8;
+    if (r >= keys) continue;
+    const int64_t token = seq.k_start + k0 + r;
+    T* dk_row = static_cast<T*>(p.dk) + token * p.dk_token_stride + kv_head * p.dk_head_stride;
+    T* dv_row = static_cast<T*>(p.dv) + token * p.dv_token_stride + kv_head * p.dv_head_stride;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) values[e] = FromFloat<T>(sm.u.rows[r][c + e] * factor);
-      T* dst = out + (seq.k_start + k0 + r) * token_stride + head_offset + c;
+    for (int n = 0; n < kColTiles; ++n) {
+      const int c = col0 + n * 8 + pair;
+      const float k_lo = dk[n][half * 2] * p.scale, k_hi = dk[n][half * 2 + 1] * p.scale;
+      const float v_lo = dv[n][half * 2], v_hi = dv[n][half * 2 + 1];
       if (aligned_outputs) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(values);
+        *reinterpret_cast<uint32_t*>(dk_row + c) = ptx::PackPair<T>(k_lo, k_hi);
+        *reinterpret_cast<uint32_t*>(dv_row + c) = ptx::PackPair<T>(v_lo, v_hi);
       } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dst[e] = values[e];
+        dk_row[c] = FromFloat<T>(k_lo);
+        dk_row[c + 1] = FromFloat<T>(k_hi);
+        dv_row[c] = FromFloat<T>(v_lo);
+        dv_row[c + 1] = FromFloat<T>(v_hi);
       }
     }
   }
