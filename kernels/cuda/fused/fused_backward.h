@@ -1,6 +1,6 @@
 // Launch API of the fused backward pass (FlashAttention-2's algorithm): dQ, dK, dV from Q, K, V,
-// O, dO and the forward's log-sum-exp, recomputing S and P tile by tile in shared memory, so
-// that no N x N matrix reaches device memory. Host-only header.
+// O, dO and the forward's log-sum-exp, recomputing S and P tile by tile on chip (registers, and
+// shared memory for P and dS), so that no N x N matrix reaches device memory. Host-only header.
 //
 // Three launches on one stream: D = rowsum(dO * O) per query row; the main kernel, one CTA per
 // (64-key block, KV head, sequence), which keeps its block of K and V in shared memory, walks
