@@ -24,10 +24,15 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kPadHalf = 8;  // 16 bytes of padding per shared row: fewer bank conflicts
 
-constexpr int kStages = 2;  // query tiles in flight: the next one loads while this one runs
+// Query tiles in flight: with two, the next one loads while this one runs; with one, loads and
+// compute overlap only across the CTAs an SM holds. d = 128 takes one so that two CTAs fit on
+// an SM (r58: +16-20% over two stages and one CTA).
+template <int D>
+constexpr int kStagesFor = D == 128 ? 1 : 2;
 
 template <typename T, int D>
 struct SharedTiles {
+  static constexpr int kStages = kStagesFor<D>;
   T k[kBlockK][D + kPadHalf];
   T v[kBlockK][D + kPadHalf];
   T q[kStages][kBlockQ][D + kPadHalf];
@@ -126,10 +131,15 @@ __global__ void __launch_bounds__(kThreads)
       FromFloat<T>(dq_accum[i]);
 }
 
-// Two CTAs per SM where their shared memory fits on Hopper (d <= 96): the register cap that
-// brings (128 per thread) measured faster than one CTA with more registers. An A100 (164 KiB
-// per SM) fits two only at d <= 64 and runs d = 96 one CTA per SM under the same cap.
-constexpr size_t kSharedPerSm = 227 * 1024;  // sm_90's shared memory per SM
+// Two CTAs per SM where their shared memory fits (on Hopper every head_dim, d = 128 with one
+// stage; on an A100 d <= 64): the register cap that brings (128 per thread) measured faster
+// than one CTA with more registers (r45 at d = 64, r58 at d = 128). The device pass for each
+// architecture sizes the cap by its own shared memory per SM.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr size_t kSharedPerSm = 164 * 1024;  // A100
+#else
+constexpr size_t kSharedPerSm = 228 * 1024;  // H100 / H200
+#endif
 template <int D>
 constexpr int kMinBlocksPerSm = 2 * (sizeof(SharedTiles<__half, D>) + 1024) <= kSharedPerSm ? 2 : 1;
 
@@ -210,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
 
   // The query tiles this block meets, head by head of its group: tiles_per_head of them from
   // first_i0 on. Tile t + 1's Q, dO, LSE and D load (cp.async) while tile t runs.
+  constexpr int kStages = kStagesFor<D>;
   const int group = p.num_heads / p.num_kv_heads;
   const int64_t first_i0 = first_row / kBlockQ * kBlockQ;
   const int64_t tiles_per_head =
@@ -246,12 +257,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     }
     ptx::CommitAsyncGroup();
   };
-  if (tiles > 0) issue(0);
+  if (kStages > 1 && tiles > 0) issue(0);
 
   for (int64_t t = 0; t < tiles; ++t) {
     const int stage = static_cast<int>(t % kStages);
     const int h = tile_head(t);
     const int64_t i0 = tile_row0(t), rows = Min64(kBlockQ, seq.lq - i0);
+    if (kStages == 1) {
+      if (t > 0) __syncthreads();  // every warp is done with tile t - 1's Q, dO, P and dS
+      issue(t);
+    }
     ptx::WaitAsyncGroups<0>();  // tile t, the only group in flight
     if (threadIdx.x < kBlockQ) {
       const int r = threadIdx.x;
@@ -267,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     // Tile t's Q, dO, LSE, D and ranges are in; every warp is done with tile t - 1 (its P, dS
     // and stage), so the next tile may land in that stage.
     __syncthreads();
-    if (t + 1 < tiles) issue(t + 1);
+    if (kStages > 1 && t + 1 < tiles) issue(t + 1);
     const auto& tq = sm.q[stage];
     const auto& tdo = sm.d_o[stage];
 
