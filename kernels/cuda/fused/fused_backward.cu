@@ -176,6 +176,15 @@ struct Fragments {
   }
 };
 
+// acc[n] and acc[n + 1] += A times the two 8-column B tiles one ldmatrix.x4 loaded (b[0..1],
+// b[2..3]).
+template <typename T, int kTiles>
+__device__ __forceinline__ void MmaTilePair(float (&acc)[kTiles][4], int n, const uint32_t (&a)[4],
+                                            const uint32_t (&b)[4]) {
+  ptx::Mma16816<T>(acc[n], a, b[0], b[1]);
+  ptx::Mma16816<T>(acc[n + 1], a, b[2], b[3]);
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     BackwardKernel(const FusedBackwardParams p, const float* delta, float* dq_accum,
@@ -295,15 +304,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
 #pragma unroll
       for (int n = 0; n < kKeyTiles; n += 2) {
         frag.BOfRows(b, sm.k, key0 + n * 8, kk);
-        ptx::Mma16816<T>(s[n], a, b[0], b[1]);
-        ptx::Mma16816<T>(s[n + 1], a, b[2], b[3]);
+        MmaTilePair<T>(s, n, a, b);
       }
       frag.A(a, tdo, row0, kk);
 #pragma unroll
       for (int n = 0; n < kKeyTiles; n += 2) {
         frag.BOfRows(b, sm.v, key0 + n * 8, kk);
-        ptx::Mma16816<T>(dp[n], a, b[0], b[1]);
-        ptx::Mma16816<T>(dp[n + 1], a, b[2], b[3]);
+        MmaTilePair<T>(dp, n, a, b);
       }
     }
     // P = exp(scale * S - LSE) on visible keys and dS = P * (dP - D), into shared memory.
@@ -335,11 +342,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
 #pragma unroll
       for (int n = 0; n < kColTiles; n += 2) {
         frag.BOfColumns(b, tdo, kk, col0 + n * 8);
-        ptx::Mma16816<T>(dv[n], a_p, b[0], b[1]);
-        ptx::Mma16816<T>(dv[n + 1], a_p, b[2], b[3]);
+        MmaTilePair<T>(dv, n, a_p, b);
         frag.BOfColumns(b, tq, kk, col0 + n * 8);
-        ptx::Mma16816<T>(dk[n], a_ds, b[0], b[1]);
-        ptx::Mma16816<T>(dk[n + 1], a_ds, b[2], b[3]);
+        MmaTilePair<T>(dk, n, a_ds, b);
       }
     }
     // This tile's dQ = dS K (16 query rows x kHalf columns), added to the accumulator from
@@ -353,8 +358,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
 #pragma unroll
         for (int n = 0; n < kColTiles; n += 2) {
           frag.BOfColumns(b, sm.k, kk, col0 + n * 8);
-          ptx::Mma16816<T>(dq[n], a, b[0], b[1]);
-          ptx::Mma16816<T>(dq[n + 1], a, b[2], b[3]);
+          MmaTilePair<T>(dq, n, a, b);
         }
       }
 #pragma unroll
