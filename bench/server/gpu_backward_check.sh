@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# AttendBackward on a GPU machine: starts attnserve (AUTO: the fused kernel has no backward, so
-# the CUDA naive path runs it), sends backward requests of several shapes and dtypes with and
-# without the forward's O/LSE, and checks dQ, dK, dV against the float64 CPU reference.
+# AttendBackward on a GPU machine: starts attnserve on AUTO, sends backward requests of several
+# shapes and dtypes with and without the forward's O/LSE, and checks dQ, dK, dV against the
+# float64 CPU reference. AUTO runs the bf16 and fp16 requests on the fused backward kernel, the
+# float32 one (head_dim 80, a window) on the CUDA naive path; the last asks for the CPU path.
+# tests/server/gpu_server_check.sh runs training steps on the fused and naive paths too, among
+# its other checks; this one is the backward alone.
 # Binaries from PATH (source a gpu-bundle env.sh first). Prints one line per request.
 set -uo pipefail
 out=${OUT:-/tmp/backward-check}

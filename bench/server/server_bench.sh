@@ -9,6 +9,9 @@
 #
 #   bash bench/server/server_bench.sh            # build-serverbench/ binaries, results in $OUT
 #
+# docs/server-performance.md gives the build commands and, for each published table, the
+# variables that reproduced it.
+#
 # Shapes (dense, self-attention, batch 1 per request, not causal):
 #   small: N = 64,   8 heads,  d = 64,  float16   concurrency 1, 4, 16, 64
 #   tiny:  N = 1,    8 heads,  d = 64,  float16   concurrency 1, 64 (not in the default SETS: the
@@ -20,13 +23,13 @@
 #   OUT              results folder (default /tmp/server-bench): server-bench.jsonl, table.txt,
 #                    one server log per run
 #   DURATION         closed-loop time per concurrency level (default 3s)
-#   SETS             small,large (default both)       MODES  on,off (default both)
+#   SETS             small,large,tiny (default small,large)   MODES  on,off (default both)
 #   RPCS             unary,stream (default both)
 #   STREAMS          AttendStream calls per level for rpc=stream (default 8)
 #   CHANNELS         gRPC channels (connections) of the client (default STREAMS: one per
-#                    stream, so each client thread polls only its own socket; 8 streams on 4
-#                    connections cost the client 3.9 cores instead of 3.0 for ~8% fewer
-#                    requests at 64 in flight, r36 in docs/server-performance.md)
+#                    stream, so each client thread polls only its own socket; sharing
+#                    connections costs the client cores and requests, see
+#                    docs/server-performance.md)
 #   SMALL_LEVELS, LARGE_LEVELS   concurrency lists (defaults above)
 #   LARGE_N, LARGE_HEADS         override the large shape (the CPU engine needs seconds per
 #                                N = 4096 request)
