@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up and runs every test: installs the dependencies, then builds two configurations and
+# Sets up and runs every test: installs the dependencies, then builds three configurations and
 # runs ctest in each.
 #
 #   build-test/      the main build: the CUDA engines are compiled when nvcc is found
@@ -9,13 +9,13 @@
 #   build-fuzz/      clang: the libFuzzer target on the request decoder/validator, run for a
 #                    bounded 20 s by its ctest (only that target is built)
 #
-# Both passes run even when the first fails. The exit status is non-zero when a build or a
+# Every pass runs even when an earlier one fails. The exit status is non-zero when a build or a
 # test failed. The last lines printed are ctest's own summary lines of each pass.
 #
 # Usage: deploy/test.sh [--no-install] [--no-sanitize] [--no-fuzz]
-# Environment: ATTN_BUILD_DIR (default build-test; the sanitizer pass uses ATTN_BUILD_DIR with
-# "-sanitize" in place of "-test", or appended), ATTN_WERROR (main pass, default ON), and those of
-# deploy/common.sh (ATTN_JOBS, ATTN_CUDA_ARCHITECTURES, CUDACXX).
+# Environment: ATTN_BUILD_DIR (default build-test; the sanitizer and fuzz passes use
+# ATTN_BUILD_DIR with "-sanitize" or "-fuzz" in place of "-test", or appended), ATTN_WERROR (main
+# pass, default ON), and those of deploy/common.sh (ATTN_JOBS, ATTN_CUDA_ARCHITECTURES, CUDACXX).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "${ATTN_ROOT}"

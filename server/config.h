@@ -19,7 +19,7 @@ struct Config {
   std::vector<int> devices = {0};  // CUDA ordinals; one set of lanes each
   int lanes_per_device = 0;        // 0: 2 for a GPU (copies overlap compute), 1 for the CPU
   int cpu_threads = 0;             // CPU engine threads; 0 = hardware concurrency
-  // Threads per lane (its own included) sharing a batch's host copies once they pass 4 MiB;
+  // Threads per lane (its own included) sharing a batch's host copies once they pass 1 MiB;
   // 0: cores / (2 x lanes), between 1 and 4.
   int lane_threads = 0;
   // How a lane waits for its batch on the GPU: spin, yield or block (server/device_pool.h).

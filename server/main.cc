@@ -34,7 +34,7 @@ ABSL_FLAG(int, lanes_per_device, 0,
           "0 = 2 on a GPU, 1 on the CPU");
 ABSL_FLAG(int, lane_threads, 0,
           "Threads per lane, its own included, that share a batch's host copies (requests into "
-          "the staging region, outputs into the responses) once they pass 4 MiB; "
+          "the staging region, outputs into the responses) once they pass 1 MiB; "
           "0 = cores / (2 x lanes), between 1 and 4");
 ABSL_FLAG(std::string, gpu_wait, "yield",
           "How a lane waits for its batch on the GPU: yield (polls, giving the core to other "
