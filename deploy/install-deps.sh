@@ -24,6 +24,10 @@ packages+=(clang clang-format)
 # server those tests scrape with.
 packages+=(python3 python3-grpcio python3-protobuf python3-numpy python3-pytest prometheus)
 packages+=(python3-yaml)  # tests/deploy: checks of deploy/'s compose, Prometheus, Grafana, k8s files
+# The Python client's package (clients/python): pip installs it into a venv over the system's
+# modules, setuptools and wheel build it (running protobuf-compiler's protoc), python3-build makes
+# its wheel and sdist.
+packages+=(python3-venv python3-pip python3-setuptools python3-wheel python3-build)
 
 # The clang runtime package carries clang's major version in its name (libclang-rt-14-dev on
 # Debian 12); find it from the clang that is or will be installed.
