@@ -69,6 +69,8 @@ def main():
     # No __pycache__ left in the source tree; the installed package, never a source tree.
     env = dict(os.environ, ATTNSERVE_BINARY=binary, PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)
+    # pytest runs in this folder (its rootdir); paths given relative to the caller still work.
+    args = [os.path.abspath(a) if os.path.exists(a.split("::")[0]) else a for a in args]
     return subprocess.run([python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
                            *(args or [HERE])], cwd=HERE, env=env).returncode
 

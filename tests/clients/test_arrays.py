@@ -75,8 +75,8 @@ def test_torch_tensors_in_and_out_fake(client, rng, dtype):
         assert tuple(client.attend_varlen(q, q, q, cu, cu).shape) == (9, 2, 16)
 
 
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (optional; Debian 12's "
-                    "python3-torch works); the fake-torch test covers the same calls")
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (optional); the fake-torch "
+                    "test covers the same calls")
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_torch_tensors_in_and_out_real(client, rng, dtype):
     import torch

@@ -2,7 +2,6 @@
 field) and the request id: bad shapes, arguments refused before sending, authentication,
 per-call deadlines, an unreachable server."""
 import socket
-import time
 
 import grpc
 import numpy as np
@@ -56,15 +55,15 @@ def test_head_dim_mismatch_from_server(client, rng):
     (lambda c, q, k, v: c.attend(q.view(np.uint16)[..., :16], k, v), "q.dtype"),
     (lambda c, q, k, v: c.backward(q, k, v, q, o=q), "o, lse"),
 ])
-def test_refused_before_sending(client, rng, call, field):
-    """Arguments the client can check itself fail as the server would, before any RPC."""
+def test_refused_before_sending(rng, call, field):
+    """Arguments the client can check itself fail as the server would, before any RPC: the
+    client points at a port nobody listens on, so anything sent would be UNAVAILABLE."""
     q, k, v = arrays(rng)
-    before = client.info().stats.requests_rejected
-    with pytest.raises(attnserve.AttnServeError) as e:
-        call(client, q, k, v)
+    with attnserve.Client(f"127.0.0.1:{closed_port()}", timeout=5) as nowhere:
+        with pytest.raises(attnserve.AttnServeError) as e:
+            call(nowhere, q, k, v)
     assert e.value.code == INVALID and e.value.message.startswith(field), e.value.message
     assert e.value.request_id  # every call has an id, also when refused locally
-    assert client.info().stats.requests_rejected == before
 
 
 def test_positional_flash_attn_arguments_fail_loudly(client, rng):
@@ -105,12 +104,10 @@ def test_per_call_timeout(slow_server, rng):
     DEADLINE_EXCEEDED, a longer one succeeds; the client's default applies otherwise."""
     q, k, v = arrays(rng)
     with attnserve.Client(slow_server.target, timeout=30) as c:
-        start = time.monotonic()
         with pytest.raises(attnserve.AttnServeError) as e:
             c.attend(q, k, v, timeout=0.2, request_id="short")
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert e.value.request_id == "short"
-        assert time.monotonic() - start < 1.4
         assert c.attend(q, k, v, timeout=20).shape == q.shape
         with pytest.raises(attnserve.AttnServeError) as e:  # a stream's deadline covers it all
             list(c.attend_many([dict(q=q, k=k, v=v)], timeout=0.2))
@@ -121,11 +118,14 @@ def test_per_call_timeout(slow_server, rng):
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_unreachable_server_is_unavailable(rng):
+def closed_port():
     with socket.socket() as s:  # a port nobody listens on once closed
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with attnserve.Client(f"127.0.0.1:{port}", timeout=5) as c:
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_is_unavailable(rng):
+    with attnserve.Client(f"127.0.0.1:{closed_port()}", timeout=5) as c:
         with pytest.raises(attnserve.AttnServeError) as e:
             c.attend(*arrays(rng))
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
