@@ -147,11 +147,16 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                               .Help("Bytes of the registered shared-memory regions")
                               .Register(r)
                               .Add({});
-  request_duration_ = &prometheus::BuildHistogram()
-                           .Name("attnserve_request_duration_seconds")
-                           .Help("End to end time of admitted requests, admission to response")
-                           .Register(r)
-                           .Add({}, LatencyBuckets());
+  auto& request_duration =
+      prometheus::BuildHistogram()
+          .Name("attnserve_request_duration_seconds")
+          .Help("End to end time of admitted requests, admission to response, by method")
+          .Register(r);
+  for (int m = 0; m < kMethods; ++m) {  // every method's series exists from the start
+    const Method method = static_cast<Method>(m);
+    request_durations_[m] =
+        &request_duration.Add({{"method", MethodLabel(method)}}, LatencyBuckets());
+  }
   queue_wait_ = &prometheus::BuildHistogram()
                      .Name("attnserve_queue_wait_seconds")
                      .Help("Time from admission to the start of the request's batch")
@@ -177,7 +182,9 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                  .Register(r);
   flops_ = &prometheus::BuildCounter()
                 .Name("attnserve_flops_total")
-                .Help("Forward FLOPs processed: 4 * head_dim * visible pairs * heads per launch")
+                .Help(
+                    "FLOPs processed: 4 * head_dim * visible pairs * heads per forward launch, "
+                    "2.5 times that per backward (3.5 with the forward recomputed)")
                 .Register(r);
   path_ = &prometheus::BuildCounter()
                .Name("attnserve_path_total")
@@ -325,7 +332,7 @@ void Metrics::OnFinished(Method method, const absl::Status& status, absl::Durati
   in_flight_->Decrement();
   CountRequest(method, status);
   queue_wait_->Observe(absl::ToDoubleSeconds(queue));
-  request_duration_->Observe(absl::ToDoubleSeconds(total));
+  request_durations_[static_cast<int>(method)]->Observe(absl::ToDoubleSeconds(total));
 }
 
 void Metrics::OnSharedMemory(int regions, uint64_t mapped_bytes) {

@@ -152,7 +152,7 @@ class Metrics {
   prometheus::Gauge* queued_;
   prometheus::Gauge* shared_memory_regions_;
   prometheus::Gauge* shared_memory_bytes_;
-  prometheus::Histogram* request_duration_;
+  std::array<prometheus::Histogram*, kMethods> request_durations_{};  // by Method
   prometheus::Histogram* queue_wait_;
   prometheus::Family<prometheus::Histogram>* compute_;
   prometheus::Family<prometheus::Histogram>* batch_requests_;

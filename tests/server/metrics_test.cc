@@ -190,11 +190,20 @@ TEST(MetricsHooks, QueueAndInFlightGauges) {
   Samples s = Parse(m.Scrape());
   EXPECT_EQ(Get(s, "attnserve_requests_queued"), 0);
   EXPECT_EQ(Get(s, "attnserve_requests_in_flight"), 1);
-  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_bucket{le="0.0025"})"), 0);
-  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_bucket{le="0.005"})"), 1);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_bucket{method="Attend",le="0.0025"})"), 0);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_bucket{method="Attend",le="0.005"})"), 1);
+  // Each method's latency is a series of its own, there (at 0) before its first request.
+  EXPECT_EQ(s.count("attnserve_request_duration_seconds_count"), 0);
+  EXPECT_EQ(s.count(R"(attnserve_request_duration_seconds_count{method="AttendBackward"})"), 1);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_count{method="AttendBackward"})"), 0);
   m.OnFinished(Metrics::Method::kAttendStream, absl::DeadlineExceededError("late"),
                absl::Seconds(2), absl::Seconds(2));
   s = Parse(m.Scrape());
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_count{method="Attend"})"), 1);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_count{method="AttendStream"})"), 1);
+  EXPECT_EQ(Get(s, R"(attnserve_request_duration_seconds_sum{method="AttendStream"})"), 2);
+  // The queue wait stays one series for every method.
+  EXPECT_EQ(Get(s, "attnserve_queue_wait_seconds_count"), 2);
   EXPECT_EQ(Get(s, "attnserve_requests_in_flight"), 0);
   EXPECT_EQ(Get(s, R"(attnserve_requests_total{code="DEADLINE_EXCEEDED",method="AttendStream"})"),
             1);
@@ -294,10 +303,14 @@ TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
   EXPECT_EQ(delta(R"(attnserve_requests_total{code="OK",method="AttendStream"})"), 2);
   EXPECT_EQ(Get(after, "attnserve_requests_in_flight"), 0);
   EXPECT_EQ(Get(after, "attnserve_requests_queued"), 0);
-  EXPECT_EQ(delta("attnserve_request_duration_seconds_count"), kRan);
+  // Latency by method: the refused requests were never admitted, so only those that ran count.
+  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_count{method="Attend"})"), kOk);
+  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_count{method="AttendStream"})"), 2);
+  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_count{method="AttendBackward"})"), 0);
+  EXPECT_GT(delta(R"(attnserve_request_duration_seconds_sum{method="Attend"})"), 0);
+  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_bucket{method="Attend",le="+Inf"})"), kOk);
+  EXPECT_EQ(after.count("attnserve_request_duration_seconds_count"), 0);
   EXPECT_EQ(delta("attnserve_queue_wait_seconds_count"), kRan);
-  EXPECT_GT(delta("attnserve_request_duration_seconds_sum"), 0);
-  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_bucket{le="+Inf"})"), kRan);
 
   EXPECT_EQ(delta(R"(attnserve_path_total{path="cpu",reason="no_gpu"})"), kOk);
   EXPECT_EQ(delta(R"(attnserve_path_total{path="cpu",reason="requested"})"), 2);
@@ -321,8 +334,10 @@ TEST(MetricsExporter, CountersMoveByWhatTheRequestsAccountFor) {
   // its LSE there), so only "something was used" is exact.
   EXPECT_GT(Get(after, R"(attnserve_pool_in_use_peak_bytes{device="cpu",memory="host"})"), 0);
   EXPECT_EQ(Get(after, R"(attnserve_build_info{cuda="false",version="0.1.0"})"), 1);
-  // A CPU-only server exports no device numbers at all.
+  // A CPU-only server exports no device numbers at all, and every series is the server's own
+  // (the endpoint adds none of its own, unlike prometheus-cpp's Exposer and its exposer_*).
   for (const auto& [key, value] : after) {
+    EXPECT_TRUE(absl::StartsWith(key, "attnserve_")) << key;
     EXPECT_FALSE(absl::StartsWith(key, "attnserve_device_memory")) << key;
     EXPECT_EQ(key.find("cuda:"), std::string::npos) << key;
   }
@@ -380,6 +395,10 @@ TEST(MetricsExporter, BackwardIsCountedUnderItsOwnMethod) {
   EXPECT_EQ(delta(R"(attnserve_requests_total{code="INVALID_ARGUMENT",method="AttendBackward"})"),
             1);
   EXPECT_EQ(delta(R"(attnserve_requests_total{code="OK",method="Attend"})"), 0);
+  // The one admitted backward request is timed under its own method, not with the forwards.
+  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_count{method="AttendBackward"})"), 1);
+  EXPECT_GT(delta(R"(attnserve_request_duration_seconds_sum{method="AttendBackward"})"), 0);
+  EXPECT_EQ(delta(R"(attnserve_request_duration_seconds_count{method="Attend"})"), 0);
   EXPECT_DOUBLE_EQ(delta(R"(attnserve_flops_total{path="cpu"})"), 3.5 * one.forward_flops());
   EXPECT_EQ(delta(R"(attnserve_tokens_total{kind="query",path="cpu"})"), 2 * 17);
   EXPECT_EQ(delta(R"(attnserve_fused_io_bytes_total{path="cpu"})"), 0);
