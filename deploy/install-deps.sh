@@ -15,6 +15,7 @@ packages=(
   libabsl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
+  libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # clang with its sanitizer/libFuzzer runtime (a Recommends of clang that --no-install-recommends

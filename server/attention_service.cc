@@ -12,14 +12,6 @@
 namespace attnserve {
 namespace {
 
-// Compares without an early exit, so response time does not reveal a matching prefix.
-bool SameSecret(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 bool PathRuns(v1::Path path, attn::EngineKind kind) {
   switch (path) {
     case v1::PATH_FUSED:
@@ -38,11 +30,13 @@ class AttendReactor final : public grpc::ServerUnaryReactor {
  public:
   AttendReactor(AttentionService* service, grpc::CallbackServerContext* context,
                 const v1::AttendRequest* request, v1::AttendResponse* response)
-      : cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+      : service_(service), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    service_->CallStarted();
     response->set_request_id(request->request_id());
-    absl::Status status = service->CheckCall(*context);
+    absl::StatusOr<Identity> caller = service->CheckCall(*context);
+    absl::Status status = caller.status();
     if (status.ok()) {
-      status = service->Admit(Metrics::Method::kAttend, *request, response,
+      status = service->Admit(Metrics::Method::kAttend, *caller, *request, response,
                               AttentionService::DeadlineOf(*context), cancelled_,
                               [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
     }
@@ -54,9 +48,13 @@ class AttendReactor final : public grpc::ServerUnaryReactor {
   }
 
   void OnCancel() override { cancelled_->store(true); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->CallEnded();
+    delete this;
+  }
 
  private:
+  AttentionService* const service_;
   std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
@@ -66,12 +64,14 @@ class AttendBackwardReactor final : public grpc::ServerUnaryReactor {
   AttendBackwardReactor(AttentionService* service, grpc::CallbackServerContext* context,
                         const v1::AttendBackwardRequest* request,
                         v1::AttendBackwardResponse* response)
-      : cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+      : service_(service), cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    service_->CallStarted();
     response->set_request_id(request->forward().request_id());
-    absl::Status status = service->CheckCall(*context);
+    absl::StatusOr<Identity> caller = service->CheckCall(*context);
+    absl::Status status = caller.status();
     if (status.ok()) {
-      status = service->AdmitBackward(*request, response, AttentionService::DeadlineOf(*context),
-                                      cancelled_,
+      status = service->AdmitBackward(*caller, *request, response,
+                                      AttentionService::DeadlineOf(*context), cancelled_,
                                       [this](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
     }
     if (!status.ok()) {
@@ -83,9 +83,13 @@ class AttendBackwardReactor final : public grpc::ServerUnaryReactor {
   }
 
   void OnCancel() override { cancelled_->store(true); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->CallEnded();
+    delete this;
+  }
 
  private:
+  AttentionService* const service_;
   std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
@@ -98,7 +102,7 @@ AttentionService::AttentionService(Options options,
       batcher_(batcher),
       metrics_(metrics),
       info_(std::move(info)),
-      shared_memory_(options_.shared_memory_pinning),
+      shared_memory_(options_.shared_memory_limits, options_.shared_memory_pinning),
       probes_(std::move(probes)) {
   absl::MutexLock lock(&probes_mu_);
   for (const auto& e : probes_) kinds_.push_back(e->kind());
@@ -110,21 +114,39 @@ absl::Time AttentionService::DeadlineOf(const grpc::ServerContextBase& context) 
   return absl::FromChrono(deadline);
 }
 
-absl::Status AttentionService::CheckCall(const grpc::ServerContextBase& context) const {
-  if (!options_.auth_token.empty()) {
-    const auto& metadata = context.client_metadata();
-    const auto it = metadata.find("authorization");
-    const std::string expected = absl::StrCat("Bearer ", options_.auth_token);
-    if (it == metadata.end() ||
-        !SameSecret(std::string_view(it->second.data(), it->second.size()), expected)) {
-      return absl::UnauthenticatedError(
-          "authorization: missing or wrong bearer token (metadata 'authorization: Bearer ...')");
-    }
+absl::StatusOr<Identity> AttentionService::CheckCall(const grpc::ServerContextBase& context) const {
+  absl::string_view authorization;
+  bool has_authorization = false;
+  const auto& metadata = context.client_metadata();
+  if (const auto it = metadata.find("authorization"); it != metadata.end()) {
+    authorization = absl::string_view(it->second.data(), it->second.size());
+    has_authorization = true;
   }
+  absl::StatusOr<Identity> caller =
+      options_.authenticator->Authenticate(has_authorization ? &authorization : nullptr);
+  if (!caller.ok()) return caller.status();
   if (draining_.load()) {
     return absl::UnavailableError("server: shutting down, not accepting requests");
   }
-  return absl::OkStatus();
+  return caller;
+}
+
+void AttentionService::CallStarted() {
+  absl::MutexLock lock(&calls_mu_);
+  ++calls_in_progress_;
+}
+
+void AttentionService::CallEnded() {
+  absl::MutexLock lock(&calls_mu_);
+  --calls_in_progress_;
+}
+
+bool AttentionService::AwaitNoCalls(absl::Time deadline) {
+  absl::MutexLock lock(&calls_mu_);
+  return calls_mu_.AwaitWithDeadline(
+      absl::Condition(
+          +[](int64_t* calls) { return *calls == 0; }, &calls_in_progress_),
+      deadline);
 }
 
 absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
@@ -160,24 +182,30 @@ absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
   return last;
 }
 
-absl::Status AttentionService::Admit(Metrics::Method method, const v1::AttendRequest& request,
-                                     v1::AttendResponse* response, absl::Time deadline,
+absl::Status AttentionService::Admit(Metrics::Method method, const Identity& caller,
+                                     const v1::AttendRequest& request, v1::AttendResponse* response,
+                                     absl::Time deadline,
                                      std::shared_ptr<const std::atomic<bool>> cancelled,
                                      std::function<void(const absl::Status&)> done) {
-  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(
-      request, options_.limits, options_.shared_memory ? &shared_memory_ : nullptr);
+  // Streams admit request by request: once draining, each new one is refused on its stream.
+  if (draining_.load()) {
+    return absl::UnavailableError("server: shutting down, not accepting requests");
+  }
+  absl::StatusOr<DecodedRequest> decoded =
+      DecodeAttendRequest(request, options_.limits, ScopeOf(caller));
   if (!decoded.ok()) return decoded.status();
   return Submit(method, *std::move(decoded), response, nullptr, deadline, std::move(cancelled),
                 std::move(done));
 }
 
-absl::Status AttentionService::AdmitBackward(const v1::AttendBackwardRequest& request,
+absl::Status AttentionService::AdmitBackward(const Identity& caller,
+                                             const v1::AttendBackwardRequest& request,
                                              v1::AttendBackwardResponse* response,
                                              absl::Time deadline,
                                              std::shared_ptr<const std::atomic<bool>> cancelled,
                                              std::function<void(const absl::Status&)> done) {
-  absl::StatusOr<DecodedRequest> decoded = DecodeAttendBackwardRequest(
-      request, options_.limits, options_.shared_memory ? &shared_memory_ : nullptr);
+  absl::StatusOr<DecodedRequest> decoded =
+      DecodeAttendBackwardRequest(request, options_.limits, ScopeOf(caller));
   if (!decoded.ok()) return decoded.status();
   return Submit(Metrics::Method::kAttendBackward, *std::move(decoded), nullptr, response, deadline,
                 std::move(cancelled), std::move(done));
@@ -224,7 +252,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
                                                           const v1::GetServerInfoRequest*,
                                                           v1::ServerInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status s = CheckCall(*context); !s.ok() && !absl::IsUnavailable(s)) {
+  if (absl::Status s = CheckCall(*context).status(); !s.ok() && !absl::IsUnavailable(s)) {
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
@@ -234,10 +262,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   return reactor;
 }
 
-absl::Status AttentionService::CheckSharedMemoryCall(
+absl::StatusOr<Identity> AttentionService::CheckSharedMemoryCall(
     const grpc::CallbackServerContext& context) const {
-  ATTN_RETURN_IF_ERROR(CheckCall(context));
-  if (!options_.shared_memory) {
+  absl::StatusOr<Identity> caller = CheckCall(context);
+  if (!caller.ok()) return caller;
+  if (options_.descriptor_socket == nullptr) {
     return absl::FailedPreconditionError(
         "shared memory: disabled on this server (--shared_memory=false); send tensor bytes in "
         "the request");
@@ -248,24 +277,41 @@ absl::Status AttentionService::CheckSharedMemoryCall(
         "peer is ",
         peer));
   }
-  return absl::OkStatus();
+  return caller;
 }
 
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
     grpc::CallbackServerContext* context, const v1::RegisterSharedMemoryRequest* request,
     v1::RegisterSharedMemoryResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = CheckSharedMemoryCall(*context);
-  // Opening and mapping a shared-memory object are quick system calls; page-locking it on a GPU
-  // server takes ~0.25 ms per MiB. Registration is rare, so it runs on the callback thread.
+  absl::StatusOr<Identity> caller = CheckSharedMemoryCall(*context);
+  absl::Status status = caller.status();
+  if (status.ok() && !request->key().empty()) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "key: registration by shared-memory name is not accepted (the server would open '",
+        request->key(),
+        "' with its own rights, not yours); pass the object's descriptor to "
+        "ServerInfo.shared_memory_socket and register with fd_token"));
+  }
+  if (status.ok() && request->fd_token().empty()) {
+    status = absl::InvalidArgumentError(
+        "fd_token: missing; pass the object's descriptor to ServerInfo.shared_memory_socket "
+        "first (proto/attnserve/v1/attention.proto, RegisterSharedMemoryRequest)");
+  }
+  absl::StatusOr<UniqueFd> fd;
+  if (status.ok()) {
+    fd = options_.descriptor_socket->Claim(request->fd_token());
+    status = fd.status();
+  }
+  // Mapping is a quick system call; page-locking it on a GPU server takes ~0.25 ms per MiB.
+  // Registration is rare, so it runs on the callback thread.
   bool pinned = false;
-  if (status.ok()) status = shared_memory_.Register(*request, &pinned);
+  if (status.ok()) status = shared_memory_.Register(*caller, *request, fd->get(), &pinned);
   if (status.ok()) {
     response->set_pinned(pinned);
     metrics_->OnSharedMemory(shared_memory_.size(), shared_memory_.mapped_bytes());
     ATTN_LOG(kDebug) << "shared memory region '" << request->name() << "' registered ("
-                     << request->key() << ", " << request->byte_size() << " bytes"
-                     << (pinned ? ", page-locked" : "") << ")";
+                     << request->byte_size() << " bytes" << (pinned ? ", page-locked" : "") << ")";
   }
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -275,9 +321,10 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
     grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
     v1::UnregisterSharedMemoryResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = CheckSharedMemoryCall(*context);
+  absl::StatusOr<Identity> caller = CheckSharedMemoryCall(*context);
+  absl::Status status = caller.status();
   if (status.ok()) {
-    absl::StatusOr<int> removed = shared_memory_.Unregister(request->name());
+    absl::StatusOr<int> removed = shared_memory_.Unregister(*caller, request->name());
     if (removed.ok()) {
       response->set_unregistered(*removed);
       metrics_->OnSharedMemory(shared_memory_.size(), shared_memory_.mapped_bytes());

@@ -16,7 +16,9 @@
 #include "absl/synchronization/mutex.h"
 #include "attn/engine.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/authenticator.h"
 #include "server/batcher.h"
+#include "server/descriptor_socket.h"
 #include "server/metrics.h"
 #include "server/request_decoder.h"
 #include "server/shared_memory.h"
@@ -25,7 +27,7 @@ namespace attnserve {
 
 // Every method on the callback API but AttendStream, which StreamFrontend serves.
 using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_Attend<
-    v1::AttentionService::WithAsyncMethod_AttendStream<
+    v1::AttentionService::WithRawMethod_AttendStream<
         v1::AttentionService::WithCallbackMethod_AttendBackward<
             v1::AttentionService::WithCallbackMethod_GetServerInfo<
                 v1::AttentionService::WithCallbackMethod_RegisterSharedMemory<
@@ -35,9 +37,13 @@ using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_Attend<
 class AttentionService final : public AttentionServiceBase {
  public:
   struct Options {
-    std::string auth_token;  // empty: no authentication
+    // Never null; an Authenticator without tokens lets every call in as one identity.
+    std::shared_ptr<const Authenticator> authenticator = std::make_shared<Authenticator>();
     DecodeLimits limits;
-    bool shared_memory = true;                // RegisterSharedMemory for same-host peers
+    // RegisterSharedMemory for same-host peers: descriptors arrive through this socket (null:
+    // shared memory is disabled).
+    DescriptorSocket* descriptor_socket = nullptr;
+    SharedMemoryRegistry::Limits shared_memory_limits;
     HostMemoryPinning shared_memory_pinning;  // GPU servers: page-lock regions
   };
 
@@ -65,24 +71,35 @@ class AttentionService final : public AttentionServiceBase {
   // From now on new requests get UNAVAILABLE; accepted ones run to the end.
   void StartDraining() { draining_.store(true); }
 
-  // Used by the reactors and StreamFrontend.
-  absl::Status CheckCall(const grpc::ServerContextBase& context) const;
+  bool draining() const { return draining_.load(); }
+
+  // Used by the reactors and StreamFrontend: the caller's identity, or UNAUTHENTICATED, or
+  // UNAVAILABLE once draining.
+  absl::StatusOr<Identity> CheckCall(const grpc::ServerContextBase& context) const;
   // The call's deadline; InfiniteFuture when it has none.
   static absl::Time DeadlineOf(const grpc::ServerContextBase& context);
   // CheckCall, then shared memory enabled and the peer on this host.
-  absl::Status CheckSharedMemoryCall(const grpc::CallbackServerContext& context) const;
+  absl::StatusOr<Identity> CheckSharedMemoryCall(const grpc::CallbackServerContext& context) const;
   // Validates the request and queues it; `done` runs once the response is filled (OK) or the
-  // request failed. On error `done` is not called and nothing was queued.
-  absl::Status Admit(Metrics::Method method, const v1::AttendRequest& request,
-                     v1::AttendResponse* response, absl::Time deadline,
-                     std::shared_ptr<const std::atomic<bool>> cancelled,
+  // request failed. On error `done` is not called and nothing was queued; UNAVAILABLE once
+  // draining.
+  absl::Status Admit(Metrics::Method method, const Identity& caller,
+                     const v1::AttendRequest& request, v1::AttendResponse* response,
+                     absl::Time deadline, std::shared_ptr<const std::atomic<bool>> cancelled,
                      std::function<void(const absl::Status&)> done);
   // The same for AttendBackward.
-  absl::Status AdmitBackward(const v1::AttendBackwardRequest& request,
+  absl::Status AdmitBackward(const Identity& caller, const v1::AttendBackwardRequest& request,
                              v1::AttendBackwardResponse* response, absl::Time deadline,
                              std::shared_ptr<const std::atomic<bool>> cancelled,
                              std::function<void(const absl::Status&)> done);
   Metrics* metrics() { return metrics_; }
+
+  // RPCs in progress (unary calls from their start to their end, streams likewise): the drain
+  // waits for this to reach zero. StreamFrontend counts its streams through these.
+  void CallStarted();
+  void CallEnded();
+  // Waits until no call is in progress or `deadline`; true when none is.
+  bool AwaitNoCalls(absl::Time deadline);
 
  private:
   struct EngineChoice {
@@ -95,12 +112,19 @@ class AttentionService final : public AttentionServiceBase {
                       std::shared_ptr<const std::atomic<bool>> cancelled,
                       std::function<void(const absl::Status&)> done);
 
+  SharedMemoryScope ScopeOf(const Identity& caller) const {
+    return {options_.descriptor_socket != nullptr ? &shared_memory_ : nullptr, caller};
+  }
+
   const Options options_;
   Batcher* const batcher_;
   Metrics* const metrics_;
   const v1::ServerInfo info_;
   std::atomic<bool> draining_{false};
   SharedMemoryRegistry shared_memory_;
+
+  absl::Mutex calls_mu_;
+  int64_t calls_in_progress_ ABSL_GUARDED_BY(calls_mu_) = 0;
 
   absl::Mutex probes_mu_;
   std::vector<std::unique_ptr<attn::Engine>> probes_ ABSL_GUARDED_BY(probes_mu_);

@@ -266,12 +266,14 @@ void Batcher::RunBatch(Lane& lane, attn::cpu::ThreadPool& helpers, Completions& 
   Batch live;
   for (auto& item : batch) {
     absl::Status dropped;
-    if (item->cancelled != nullptr && item->cancelled->load()) {
-      dropped = absl::CancelledError("request: cancelled by the client before compute");
-    } else if (now >= item->deadline) {
+    // The deadline first: gRPC cancels a call whose deadline passed, so an expired request is
+    // usually marked cancelled too, and it must count as DEADLINE_EXCEEDED.
+    if (now >= item->deadline) {
       dropped = absl::DeadlineExceededError(absl::StrCat("request: deadline passed after ",
                                                          absl::FormatDuration(now - item->accepted),
                                                          " in the queue; dropped before compute"));
+    } else if (item->cancelled != nullptr && item->cancelled->load()) {
+      dropped = absl::CancelledError("request: cancelled by the client before compute");
     }
     if (!dropped.ok()) {
       metrics_->OnFinished(item->method, dropped, now - item->accepted, now - item->accepted);

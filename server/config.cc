@@ -42,6 +42,17 @@ absl::Status Config::Validate() const {
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert_file and --tls_key_file: give both or neither");
   }
+  if (max_regions_per_identity < 1 || max_regions_per_identity > 4096) {
+    return bad("max_regions_per_identity", max_regions_per_identity, "must be in [1, 4096]");
+  }
+  if (max_heads < 1 || max_heads > 65536)
+    return bad("max_heads", max_heads, "must be in [1, 65536]");
+  if (max_sequences < 1 || max_sequences > (1 << 24)) {
+    return bad("max_sequences", max_sequences, "must be in [1, 16777216]");
+  }
+  if (max_stream_buffer_bytes < (int64_t{1} << 16)) {
+    return bad("max_stream_buffer_bytes", max_stream_buffer_bytes, "must be >= 64 KiB");
+  }
   if (drain_timeout < absl::ZeroDuration()) {
     return bad("drain_timeout", absl::FormatDuration(drain_timeout), "must be >= 0");
   }

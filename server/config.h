@@ -41,9 +41,21 @@ struct Config {
 
   std::string tls_cert_file;
   std::string tls_key_file;
-  std::string auth_token;  // empty: no authentication
-  // RegisterSharedMemory for same-host peers (server/shared_memory.h).
+  // Lines of "identity token" (server/authenticator.h), re-read on SIGHUP; empty: no
+  // authentication, every caller is one identity.
+  std::string auth_token_file;
+  // RegisterSharedMemory for same-host peers (server/shared_memory.h), with descriptors passed
+  // through a unix socket at shared_memory_socket (a path, or "@name" in the abstract
+  // namespace; empty: an abstract name of the server's choosing).
   bool shared_memory = true;
+  std::string shared_memory_socket;
+  int max_regions_per_identity = 64;
+
+  // Per request: query heads and sequences (server/request_decoder.h).
+  int max_heads = 1024;
+  int max_sequences = 65536;
+  // Per AttendStream call: bytes of responses waiting for the client before reading pauses.
+  int64_t max_stream_buffer_bytes = int64_t{64} << 20;
 
   absl::Duration drain_timeout = absl::Seconds(30);
 

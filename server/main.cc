@@ -1,9 +1,8 @@
 // attnserve: the gRPC attention server. Parses flags, builds the Config, runs until SIGTERM or
-// SIGINT, then drains.
+// SIGINT (re-reading the token file on SIGHUP), then drains.
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -61,11 +60,22 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; enables TLS with --tls_key_file");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key for --tls_cert_file");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding a bearer token every AttentionService call must present "
-          "(authorization: Bearer <token>); health and reflection stay open");
+          "File of 'identity token' lines (or one bare token): every AttentionService call must "
+          "present one (authorization: Bearer <token>) and acts as its identity; SIGHUP re-reads "
+          "the file. Health and reflection stay open");
 ABSL_FLAG(bool, shared_memory, true,
-          "Let clients on this host (loopback or unix-socket peers) register POSIX shared-memory "
-          "regions and send tensors by reference instead of in the message");
+          "Let clients on this host (loopback or unix-socket peers) register memory objects they "
+          "pass by descriptor and send tensors by reference instead of in the message");
+ABSL_FLAG(std::string, shared_memory_socket, "",
+          "Unix socket where clients pass shared-memory descriptors: a path, or @name for the "
+          "abstract namespace; empty = an abstract name of the server's choosing (GetServerInfo "
+          "tells it)");
+ABSL_FLAG(int, max_regions_per_identity, 64, "Shared-memory regions one identity may hold");
+ABSL_FLAG(int, max_heads, 1024, "Query heads a request may have");
+ABSL_FLAG(int, max_sequences, 65536, "Sequences a request may have (dense batch or cu_seqlens)");
+ABSL_FLAG(int64_t, max_stream_buffer_bytes, int64_t{64} << 20,
+          "Per AttendStream call: bytes of responses waiting for the client to read before the "
+          "server stops reading its requests");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT, how long accepted calls get to finish");
 constexpr char kDefaultMetricsAddress[] = "0.0.0.0:9464";
@@ -104,16 +114,13 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   c.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
-  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    std::ifstream in(path);
-    if (!in)
-      return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
-    std::getline(in, c.auth_token);
-    if (c.auth_token.empty()) {
-      return absl::InvalidArgumentError("--auth_token_file: the first line is empty");
-    }
-  }
+  c.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   c.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  c.shared_memory_socket = absl::GetFlag(FLAGS_shared_memory_socket);
+  c.max_regions_per_identity = absl::GetFlag(FLAGS_max_regions_per_identity);
+  c.max_heads = absl::GetFlag(FLAGS_max_heads);
+  c.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  c.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   c.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
@@ -154,8 +161,15 @@ int main(int argc, char** argv) {
     ATTN_LOG(kError) << "cannot start: " << server.status();
     return 1;
   }
-  const int signal_number = attnserve::TerminationSignal::Wait();
-  ATTN_LOG(kInfo) << "signal " << signal_number << " received";
+  while (true) {
+    const int signal_number = attnserve::TerminationSignal::Wait();
+    if (signal_number == SIGHUP) {
+      (*server)->ReloadTokens();
+      continue;
+    }
+    ATTN_LOG(kInfo) << "signal " << signal_number << " received";
+    break;
+  }
   (*server)->Drain();
   return 0;
 }

@@ -2,6 +2,7 @@
 
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -12,8 +13,9 @@ namespace {
 
 // cu_seqlens are int32, so every token count must fit.
 constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
-// Sequences in one request; bounds the cu_seqlens a dense header could make us allocate.
-constexpr int64_t kMaxBatch = int64_t{1} << 20;
+// Bytes the server holds per sequence of a request: its cu_seqlens entries, in the decoded
+// problem and again in the packed batch.
+constexpr int64_t kSequenceIndexBytes = 4 * sizeof(int32_t);
 
 absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
@@ -67,16 +69,16 @@ int64_t TensorBytes(const v1::Tensor& t, attn::DType dtype) {
 // Where a checked tensor's elements are: its own bytes, or a registered shared-memory range
 // (kept mapped by `d`).
 absl::StatusOr<const char*> ElementsOf(const std::string& name, const v1::Tensor& t,
-                                       attn::DType dtype, const SharedMemoryRegistry* shared_memory,
+                                       attn::DType dtype, const SharedMemoryScope& shared_memory,
                                        DecodedRequest* d) {
   if (!t.has_shared_memory()) return t.data().data();
-  if (shared_memory == nullptr) {
+  if (shared_memory.registry == nullptr) {
     return Invalid(absl::StrCat(name, ".shared_memory"),
                    "shared memory is disabled on this server; send the bytes in data");
   }
-  absl::StatusOr<SharedMemorySpan> span =
-      shared_memory->Resolve(t.shared_memory(), static_cast<uint64_t>(TensorBytes(t, dtype)),
-                             absl::StrCat(name, ".shared_memory"));
+  absl::StatusOr<SharedMemorySpan> span = shared_memory.registry->Resolve(
+      shared_memory.owner, t.shared_memory(), static_cast<uint64_t>(TensorBytes(t, dtype)),
+      absl::StrCat(name, ".shared_memory"));
   if (!span.ok()) return span.status();
   d->regions.push_back(std::move(span->region));
   return reinterpret_cast<const char*>(span->data);
@@ -99,12 +101,12 @@ TensorSizes TensorSizesOf(const attn::AttentionProblem& p) {
 
 int64_t WorkingSetBytes(const attn::AttentionProblem& p) {
   const TensorSizes s = TensorSizesOf(p);
-  return 2 * s.q + 2 * s.kv + s.lse;
+  return 2 * s.q + 2 * s.kv + s.lse + (p.batch() + 1) * kSequenceIndexBytes;
 }
 
 int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p) {
   const TensorSizes s = TensorSizesOf(p);
-  return 4 * s.q + 4 * s.kv + s.lse;
+  return 4 * s.q + 4 * s.kv + s.lse + (p.batch() + 1) * kSequenceIndexBytes;
 }
 
 absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype) {
@@ -135,7 +137,7 @@ v1::DType ToProtoDType(attn::DType dtype) {
 
 absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
                                                    const DecodeLimits& limits,
-                                                   const SharedMemoryRegistry* shared_memory) {
+                                                   const SharedMemoryScope& shared_memory) {
   if (!r.has_q()) return Invalid("q", "missing");
   if (!r.has_k()) return Invalid("k", "missing");
   if (!r.has_v()) return Invalid("v", "missing");
@@ -181,9 +183,9 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
     }
     ATTN_RETURN_IF_ERROR(CheckDim("k.shape[0]", ks[0], qs[0], "q.shape[0] (batch)"));
     ATTN_RETURN_IF_ERROR(CheckDim("k.shape[3]", ks[3], qs[3], "q.shape[3] (head_dim)"));
-    if (qs[0] < 1 || qs[0] > kMaxBatch) {
+    if (qs[0] < 1 || qs[0] > limits.max_sequences) {
       return Invalid("q.shape[0]",
-                     absl::StrCat("batch must be in [1, ", kMaxBatch, "], got ", qs[0]));
+                     absl::StrCat("batch must be in [1, ", limits.max_sequences, "], got ", qs[0]));
     }
     if (qs[0] * qs[1] > kMaxTokens || ks[0] * ks[1] > kMaxTokens) {
       return Invalid("q.shape", "more than 2^31-1 tokens");
@@ -210,6 +212,15 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
         return Invalid("cu_seqlens_q", "missing (cu_seqlens_k is set)");
       if (r.cu_seqlens_k_size() == 0)
         return Invalid("cu_seqlens_k", "missing (cu_seqlens_q is set)");
+      for (const auto& [name, size] :
+           {std::pair<const char*, int>{"cu_seqlens_q", r.cu_seqlens_q_size()},
+            {"cu_seqlens_k", r.cu_seqlens_k_size()}}) {
+        if (size - 1 > limits.max_sequences) {
+          return Invalid(
+              name, absl::StrCat(size, " entries: at most ", limits.max_sequences, " sequences (",
+                                 limits.max_sequences + 1, " entries) per request"));
+        }
+      }
       p.cu_seqlens_q.assign(r.cu_seqlens_q().begin(), r.cu_seqlens_q().end());
       p.cu_seqlens_k.assign(r.cu_seqlens_k().begin(), r.cu_seqlens_k().end());
       if (p.cu_seqlens_q.back() != qs[0]) {
@@ -223,6 +234,10 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
     }
   }
   if (p.num_heads < 1) return Invalid("q.shape", "num_heads must be >= 1");
+  if (p.num_heads > limits.max_heads) {
+    return Invalid("q.shape", absl::StrCat("num_heads ", p.num_heads, " is more than the ",
+                                           limits.max_heads, " heads this server takes"));
+  }
   if (p.num_kv_heads < 1) return Invalid("k.shape", "num_kv_heads must be >= 1");
   if (p.num_heads % p.num_kv_heads != 0) {
     return Invalid("k.shape",
@@ -230,6 +245,15 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
                                 p.num_heads, " (GQA ratio must be an integer)"));
   }
   p.causal = r.causal();
+  for (const auto& [name, has, value] :
+       {std::tuple<const char*, bool, int32_t>{"window_left", r.has_window_left(), r.window_left()},
+        {"window_right", r.has_window_right(), r.window_right()}}) {
+    if (has && value < -1) {
+      return Invalid(name, absl::StrCat(value,
+                                        ": a window side is >= 0 keys, or -1 (or unset) "
+                                        "for unbounded"));
+    }
+  }
   p.window_left = r.has_window_left() ? r.window_left() : -1;
   p.window_right = r.has_window_right() ? r.window_right() : -1;
   p.softmax_scale = r.softmax_scale();
@@ -238,8 +262,9 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   const int64_t bytes = WorkingSetBytes(p);
   if (bytes > limits.memory_limit_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("request: needs ", bytes,
-                                                     " bytes for Q, K, V, O and LSE; the server's "
-                                                     "memory limit per batch is ",
+                                                     " bytes for Q, K, V, O, LSE and its sequence "
+                                                     "index; the server's memory limit per batch "
+                                                     "is ",
                                                      limits.memory_limit_bytes, " bytes"));
   }
 
@@ -247,14 +272,15 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   ATTN_ASSIGN_OR_RETURN(d.k, ElementsOf("k", r.k(), p.dtype, shared_memory, &d));
   ATTN_ASSIGN_OR_RETURN(d.v, ElementsOf("v", r.v(), p.dtype, shared_memory, &d));
   if (r.has_o_shared_memory()) {
-    if (shared_memory == nullptr) {
+    if (shared_memory.registry == nullptr) {
       return Invalid("o_shared_memory",
                      "shared memory is disabled on this server; O comes back in the response");
     }
-    ATTN_ASSIGN_OR_RETURN(SharedMemorySpan span,
-                          shared_memory->Resolve(r.o_shared_memory(),
-                                                 static_cast<uint64_t>(TensorBytes(r.q(), p.dtype)),
-                                                 "o_shared_memory"));
+    ATTN_ASSIGN_OR_RETURN(
+        SharedMemorySpan span,
+        shared_memory.registry->Resolve(shared_memory.owner, r.o_shared_memory(),
+                                        static_cast<uint64_t>(TensorBytes(r.q(), p.dtype)),
+                                        "o_shared_memory"));
     d.o_out = span.data;
     d.o_out_ref = &r.o_shared_memory();
     d.regions.push_back(std::move(span.region));
@@ -265,9 +291,9 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   return d;
 }
 
-absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(
-    const v1::AttendBackwardRequest& r, const DecodeLimits& limits,
-    const SharedMemoryRegistry* shared_memory) {
+absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackwardRequest& r,
+                                                           const DecodeLimits& limits,
+                                                           const SharedMemoryScope& shared_memory) {
   if (!r.has_forward()) return Invalid("forward", "missing (q, k, v and the mask)");
   if (r.forward().has_o_shared_memory()) {
     return Invalid("forward.o_shared_memory",

@@ -15,9 +15,14 @@
 
 namespace attnserve {
 
+// What one request may ask of the server. Every count a client names is bounded here, so the
+// work a request causes is proportional to the bytes it carries, never to a number it names.
 struct DecodeLimits {
-  // One request's working set (Q, K, V, O and the LSE) must fit in this many bytes.
-  int64_t memory_limit_bytes = int64_t{4} << 30;
+  // One request's working set (Q, K, V, O, the LSE and its sequence index) must fit in this
+  // many bytes.
+  int64_t memory_limit_bytes = int64_t{2} << 30;
+  int max_heads = 1024;       // query heads (KV heads are at most as many)
+  int max_sequences = 65536;  // the dense batch, or cu_seqlens entries - 1
 };
 
 // A validated request. The tensor pointers alias the request's bytes or the shared-memory
@@ -58,7 +63,7 @@ struct TensorSizes {
   int64_t q = 0, kv = 0, lse = 0;
 };
 TensorSizes TensorSizesOf(const attn::AttentionProblem& p);
-// Bytes of Q, K, V, O (problem dtype) and the float32 LSE of a problem.
+// Bytes of Q, K, V, O (problem dtype), the float32 LSE of a problem and its sequence index.
 int64_t WorkingSetBytes(const attn::AttentionProblem& p);
 // The backward pass's: Q, K, V, O, dO, dQ, dK, dV and the LSE.
 int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p);
@@ -66,14 +71,21 @@ int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p);
 absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype);
 v1::DType ToProtoDType(attn::DType dtype);
 
-// INVALID_ARGUMENT naming the field, or RESOURCE_EXHAUSTED when the request is too large.
-// Tensors may refer to `shared_memory`'s regions; without a registry such a request is invalid.
-absl::StatusOr<DecodedRequest> DecodeAttendRequest(
-    const v1::AttendRequest& request, const DecodeLimits& limits,
-    const SharedMemoryRegistry* shared_memory = nullptr);
+// Where a request's shared-memory references are looked up: the registry (null when shared
+// memory is disabled) and the identity whose regions they may name.
+struct SharedMemoryScope {
+  const SharedMemoryRegistry* registry = nullptr;
+  Identity owner;
+};
+
+// INVALID_ARGUMENT naming the field, NOT_FOUND for a shared-memory region the caller has not
+// registered, or RESOURCE_EXHAUSTED when the request is too large.
+absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& request,
+                                                   const DecodeLimits& limits,
+                                                   const SharedMemoryScope& shared_memory = {});
 // The forward part as DecodeAttendRequest (fields named "forward.q", ...), then d_o, o, lse.
 absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(
     const v1::AttendBackwardRequest& request, const DecodeLimits& limits,
-    const SharedMemoryRegistry* shared_memory = nullptr);
+    const SharedMemoryScope& shared_memory = {});
 
 }  // namespace attnserve

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "attn/problem.h"
 #include "attn/status_macros.h"
+#include "grpc/health/v1/health.pb.h"
 #include "server/channel_args.h"
 #include "server/device_pool.h"
 #include "server/logging.h"
@@ -118,7 +119,11 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
   limits->set_memory_limit_bytes(config.memory_limit_bytes);
   limits->set_max_head_dim(attn::kMaxHeadDim);
   limits->set_batch_lanes(lanes);
-  info.set_auth_required(!config.auth_token.empty());
+  limits->set_max_heads(config.max_heads);
+  limits->set_max_sequences(config.max_sequences);
+  limits->set_max_stream_buffer_bytes(config.max_stream_buffer_bytes);
+  limits->set_max_shared_memory_regions(config.max_regions_per_identity);
+  info.set_auth_required(!config.auth_token_file.empty());
   info.set_shared_memory(config.shared_memory);
   return info;
 }
@@ -129,6 +134,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   ATTN_RETURN_IF_ERROR(config.Validate());
   ATTN_ASSIGN_OR_RETURN(const DeviceWait gpu_wait, ParseDeviceWait(config.gpu_wait));
   std::unique_ptr<Server> self(new Server(config));
+  if (config.auth_token_file.empty()) {
+    self->authenticator_ = std::make_shared<Authenticator>();
+  } else {
+    ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Authenticator> auth,
+                          Authenticator::FromFile(config.auth_token_file));
+    self->authenticator_ = std::move(auth);
+  }
+  if (config.shared_memory) {
+    DescriptorSocket::Options socket_options;
+    socket_options.address = config.shared_memory_socket;
+    ATTN_ASSIGN_OR_RETURN(self->descriptor_socket_, DescriptorSocket::Start(socket_options));
+  }
 
   ATTN_ASSIGN_OR_RETURN(std::vector<attn::EngineKind> kinds, ChooseEngineKinds(config));
   bool any_device = false;
@@ -199,14 +216,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   self->batcher_ = std::make_unique<Batcher>(batch_options, std::move(lanes), &self->metrics_);
 
   AttentionService::Options service_options;
-  service_options.auth_token = config.auth_token;
+  service_options.authenticator = self->authenticator_;
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
-  service_options.shared_memory = config.shared_memory;
+  service_options.limits.max_heads = config.max_heads;
+  service_options.limits.max_sequences = config.max_sequences;
+  service_options.descriptor_socket = self->descriptor_socket_.get();
+  service_options.shared_memory_limits.max_regions_per_owner = config.max_regions_per_identity;
   if (any_device) {  // lanes DMA page-locked regions to and from the device
     service_options.shared_memory_pinning = {DevicePool::PinHostMemory,
                                              DevicePool::UnpinHostMemory};
   }
   v1::ServerInfo info = DescribeServer(config, kinds, probes, lane_count);
+  if (self->descriptor_socket_ != nullptr) {
+    info.set_shared_memory_socket(self->descriptor_socket_->address());
+  }
   self->service_ = std::make_unique<AttentionService>(
       service_options, std::move(probes), self->batcher_.get(), &self->metrics_, std::move(info));
 
@@ -222,7 +245,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   }
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // gRPC's health service runs on messages of its own, so nothing would link our generated
+  // health.proto: referring to it puts its descriptor in the pool reflection describes from.
+  grpc::health::v1::HealthCheckRequest::descriptor();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpc.reflection.v1alpha
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, credentials, &self->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
@@ -237,11 +263,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     }
   }
   builder.RegisterService(self->service_.get());
-  const int stream_threads =
+  StreamFrontend::Options stream_options;
+  stream_options.threads =
       config.stream_threads > 0
           ? config.stream_threads
           : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 8);
-  self->stream_frontend_ = std::make_unique<StreamFrontend>(self->service_.get(), stream_threads);
+  stream_options.max_buffered_bytes = config.max_stream_buffer_bytes;
+  self->stream_frontend_ = std::make_unique<StreamFrontend>(self->service_.get(), stream_options);
   self->stream_frontend_->AddQueues(&builder);
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr || self->port_ == 0) {
@@ -266,7 +294,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                   << " (engines:" << engines << "; lanes: " << lane_count
                   << (any_device ? absl::StrCat("; gpu_wait: ", config.gpu_wait) : "")
                   << (config.tls_cert_file.empty() ? "; plaintext" : "; TLS")
-                  << (config.auth_token.empty() ? "" : "; bearer token required") << ")";
+                  << (config.auth_token_file.empty() ? "" : "; bearer token required")
+                  << (self->descriptor_socket_ != nullptr
+                          ? absl::StrCat("; shared memory at ", self->descriptor_socket_->address())
+                          : "")
+                  << ")";
   return self;
 }
 
@@ -279,13 +311,23 @@ void Server::Drain() {
     if (batcher_ != nullptr) batcher_->Stop();
     return;
   }
+  const absl::Time deadline = absl::Now() + config_.drain_timeout;
   ATTN_LOG(kInfo) << "draining: NOT_SERVING, refusing new calls, up to "
                   << absl::FormatDuration(config_.drain_timeout) << " for accepted calls";
   server_->GetHealthCheckService()->SetServingStatus(false);
   service_->StartDraining();
-  // Waits for the calls in progress; at the deadline the rest are cancelled. The batcher keeps
-  // running meanwhile, so accepted requests complete (or are dropped quickly once cancelled).
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + config_.drain_timeout));
+  stream_frontend_->StartDraining();
+  // The batcher keeps running meanwhile, so accepted requests complete (or are dropped quickly
+  // once cancelled). gRPC's own Shutdown would also wait for idle connections to close, which a
+  // client may never do: it starts once no call is left, and its short grace lets calls that
+  // were arriving be refused UNAVAILABLE (rather than cut off) and clients act on GOAWAY; then it
+  // closes every connection.
+  const bool idle = service_->AwaitNoCalls(deadline);
+  if (!idle) {
+    ATTN_LOG(kWarning) << "drain timeout: cancelling the calls still in progress";
+  }
+  constexpr absl::Duration kShutdownGrace = absl::Milliseconds(250);
+  server_->Shutdown(absl::ToChronoTime(std::min(absl::Now() + kShutdownGrace, deadline)));
   batcher_->Stop();
   server_->Wait();
   stream_frontend_->Stop();  // every stream is over; its queues drain empty
@@ -294,6 +336,19 @@ void Server::Drain() {
                   << stats.requests_completed() << " completed, " << stats.requests_failed()
                   << " failed, " << stats.requests_rejected() << " rejected, " << stats.batches()
                   << " batches";
+}
+
+void Server::ReloadTokens() {
+  if (config_.auth_token_file.empty()) {
+    ATTN_LOG(kInfo) << "SIGHUP: no --auth_token_file to re-read";
+    return;
+  }
+  absl::StatusOr<int> loaded = authenticator_->Reload();
+  if (loaded.ok()) {
+    ATTN_LOG(kInfo) << "SIGHUP: " << *loaded << " tokens loaded from " << config_.auth_token_file;
+  } else {
+    ATTN_LOG(kWarning) << "SIGHUP: the tokens in force stay: " << loaded.status().message();
+  }
 }
 
 }  // namespace attnserve

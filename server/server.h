@@ -8,8 +8,10 @@
 
 #include "absl/status/statusor.h"
 #include "server/attention_service.h"
+#include "server/authenticator.h"
 #include "server/batcher.h"
 #include "server/config.h"
+#include "server/descriptor_socket.h"
 #include "server/metrics.h"
 #include "server/stream_frontend.h"
 
@@ -22,9 +24,14 @@ class Server {
 
   int port() const { return port_; }
 
-  // Health goes NOT_SERVING, new calls are refused, accepted calls get until the drain timeout
-  // to finish (then they are cancelled), the batcher stops. Returns when everything is down.
+  // Health goes NOT_SERVING and new calls are refused (UNAVAILABLE); open streams stop
+  // admitting and end once what they accepted is answered; accepted calls get until the drain
+  // timeout to finish (then they are cancelled). As soon as no call is left, every connection
+  // is closed (idle ones included) and the batcher stops. Returns when everything is down.
   void Drain();
+
+  // Re-reads the token file (SIGHUP); on error the tokens in force stay and the error is logged.
+  void ReloadTokens();
 
  private:
   explicit Server(const Config& config) : config_(config) {}
@@ -32,6 +39,8 @@ class Server {
   Config config_;
   int port_ = 0;
   Metrics metrics_;
+  std::shared_ptr<Authenticator> authenticator_;
+  std::unique_ptr<DescriptorSocket> descriptor_socket_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<StreamFrontend> stream_frontend_;

@@ -17,29 +17,9 @@ namespace attnserve {
 namespace {
 
 constexpr size_t kMaxNameLength = 128;
-constexpr size_t kMaxKeyLength = 200;
 
 absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-// shm_open names: one path component under /dev/shm, optionally with the leading slash.
-absl::Status CheckKey(const std::string& key) {
-  const std::string_view bare =
-      absl::StartsWith(key, "/") ? std::string_view(key).substr(1) : std::string_view(key);
-  if (bare.empty() || bare.size() > kMaxKeyLength || bare == "." || bare == "..") {
-    return Invalid("key", absl::StrCat("'", key, "' is not a shared-memory object name"));
-  }
-  for (const char c : bare) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    if (!ok) {
-      return Invalid("key", absl::StrCat("'", key,
-                                         "' may only hold letters, digits, '.', '_' and '-' "
-                                         "after an optional leading '/'"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 absl::Status ErrnoStatus(int error, const std::string& what) {
@@ -61,10 +41,9 @@ absl::Status ErrnoStatus(int error, const std::string& what) {
 
 }  // namespace
 
-SharedMemoryRegion::SharedMemoryRegion(std::string name, std::string key, void* mapping,
-                                       size_t mapping_bytes, std::byte* data, uint64_t size)
+SharedMemoryRegion::SharedMemoryRegion(std::string name, void* mapping, size_t mapping_bytes,
+                                       std::byte* data, uint64_t size)
     : name_(std::move(name)),
-      key_(std::move(key)),
       mapping_(mapping),
       mapping_bytes_(mapping_bytes),
       data_(data),
@@ -89,78 +68,77 @@ absl::Status SharedMemoryRegion::Pin(const std::function<absl::Status(void*, int
 }
 
 absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(const std::string& name,
-                                                                            const std::string& key,
-                                                                            uint64_t offset,
+                                                                            int fd, uint64_t offset,
                                                                             uint64_t byte_size) {
-  if (absl::Status s = CheckKey(key); !s.ok()) return s;
   if (byte_size == 0) return Invalid("byte_size", "must be positive");
-  const int fd = shm_open(key.c_str(), O_RDWR, 0);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("key: cannot open '", key, "'"));
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const int error = errno;
-    close(fd);
-    return ErrnoStatus(error, absl::StrCat("key: cannot stat '", key, "'"));
-  }
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fd_token: cannot stat the object");
   const uint64_t object_bytes = static_cast<uint64_t>(st.st_size);
   if (offset > object_bytes || byte_size > object_bytes - offset) {
-    close(fd);
     return Invalid("byte_size",
                    absl::StrCat("offset ", offset, " + byte_size ", byte_size,
-                                " runs past the end of '", key, "' (", object_bytes, " bytes)"));
+                                " runs past the end of the object (", object_bytes, " bytes)"));
   }
   // Back every page of the range now (a no-op where the client already did): a page that is
-  // still a hole when a lane writes O into it would cost the server a SIGBUS once /dev/shm is
-  // full; this way a full /dev/shm is a clean RESOURCE_EXHAUSTED here instead.
+  // still a hole when a lane writes O into it would need memory at that moment; this way a
+  // shortage is a clean RESOURCE_EXHAUSTED here instead.
   if (const int error =
           posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(byte_size));
       error != 0) {
-    close(fd);
-    return error == ENOSPC ? absl::ResourceExhaustedError(
-                                 absl::StrCat("byte_size: no space in /dev/shm to back ", byte_size,
-                                              " bytes of '", key, "'"))
-                           : ErrnoStatus(error, absl::StrCat("key: cannot allocate '", key, "'"));
+    return error == ENOSPC
+               ? absl::ResourceExhaustedError(absl::StrCat("byte_size: no memory to back ",
+                                                           byte_size, " bytes of the object"))
+               : ErrnoStatus(error, "fd_token: cannot allocate the object's range");
   }
   // mmap wants a page-aligned offset: map from the page holding `offset`.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t aligned = offset / page * page;
   const uint64_t mapping_bytes = byte_size + (offset - aligned);
   if (mapping_bytes > std::numeric_limits<size_t>::max()) {
-    close(fd);
     return Invalid("byte_size", "too large to map");
   }
   void* mapping = mmap(nullptr, static_cast<size_t>(mapping_bytes), PROT_READ | PROT_WRITE,
                        MAP_SHARED, fd, static_cast<off_t>(aligned));
-  const int error = errno;
-  close(fd);  // the mapping keeps the object alive
-  if (mapping == MAP_FAILED) return ErrnoStatus(error, absl::StrCat("key: cannot map '", key, "'"));
+  if (mapping == MAP_FAILED) return ErrnoStatus(errno, "fd_token: cannot map the object");
   return std::shared_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, key, mapping, static_cast<size_t>(mapping_bytes),
+      new SharedMemoryRegion(name, mapping, static_cast<size_t>(mapping_bytes),
                              static_cast<std::byte*>(mapping) + (offset - aligned), byte_size));
 }
 
-absl::Status SharedMemoryRegistry::Register(const v1::RegisterSharedMemoryRequest& request,
+absl::Status SharedMemoryRegistry::Register(const Identity& owner,
+                                            const v1::RegisterSharedMemoryRequest& request, int fd,
                                             bool* pinned) {
   if (pinned != nullptr) *pinned = false;
   const std::string& name = request.name();
   if (name.empty() || name.size() > kMaxNameLength) {
     return Invalid("name", absl::StrCat("must be 1 to ", kMaxNameLength, " bytes"));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (regions_.count(name) != 0) {
+  auto check_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    if (regions_.count({owner, name}) != 0) {
       return absl::AlreadyExistsError(
           absl::StrCat("name: region '", name, "' is already registered"));
     }
-    if (static_cast<int>(regions_.size()) >= kMaxRegions) {
+    const auto it = per_owner_.find(owner);
+    if (it != per_owner_.end() && it->second >= limits_.max_regions_per_owner) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("name: ", kMaxRegions, " regions are registered already; unregister some"));
+          absl::StrCat("name: ", it->second,
+                       " regions are registered under this identity (the "
+                       "most it may hold); unregister some"));
     }
+    if (static_cast<int>(regions_.size()) >= limits_.max_regions) {
+      return absl::ResourceExhaustedError(absl::StrCat("name: the server holds ", regions_.size(),
+                                                       " regions, its limit; retry later"));
+    }
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = check_room(); !s.ok()) return s;
   }
-  // Mapped outside the lock: opening and mapping are system calls other requests need not
-  // wait for.
+  // Mapped outside the lock: mapping (and page-locking) are system calls other requests need
+  // not wait for.
   absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> region =
-      SharedMemoryRegion::Map(name, request.key(), request.offset(), request.byte_size());
+      SharedMemoryRegion::Map(name, fd, request.offset(), request.byte_size());
   if (!region.ok()) return region.status();
   if (pinning_.pin && pinning_.unpin) {
     // Page-locking takes a while for big regions (~0.25 ms per MiB); registration is rare.
@@ -168,36 +146,47 @@ absl::Status SharedMemoryRegistry::Register(const v1::RegisterSharedMemoryReques
     if (pinned != nullptr) *pinned = ok;
   }
   absl::MutexLock lock(&mu_);
-  if (!regions_.emplace(name, *std::move(region)).second) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("name: region '", name, "' is already registered"));
-  }
+  if (absl::Status s = check_room(); !s.ok()) return s;  // a concurrent registration won
+  regions_.emplace(Key{owner, name}, *std::move(region));
+  ++per_owner_[owner];
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& name) {
+absl::StatusOr<int> SharedMemoryRegistry::Unregister(const Identity& owner,
+                                                     const std::string& name) {
   absl::MutexLock lock(&mu_);
+  int removed = 0;
   if (name.empty()) {
-    const int n = static_cast<int>(regions_.size());
-    regions_.clear();
-    return n;
+    auto it = regions_.lower_bound(Key{owner, std::string()});
+    while (it != regions_.end() && it->first.first == owner) {
+      it = regions_.erase(it);
+      ++removed;
+    }
+  } else {
+    removed = static_cast<int>(regions_.erase(Key{owner, name}));
+    if (removed == 0) {
+      return absl::NotFoundError(absl::StrCat("name: no region '", name, "' is registered"));
+    }
   }
-  if (regions_.erase(name) == 0) {
-    return absl::NotFoundError(absl::StrCat("name: no region '", name, "' is registered"));
+  if (auto it = per_owner_.find(owner); it != per_owner_.end()) {
+    it->second -= removed;
+    if (it->second <= 0) per_owner_.erase(it);
   }
-  return 1;
+  return removed;
 }
 
-absl::StatusOr<SharedMemorySpan> SharedMemoryRegistry::Resolve(const v1::SharedMemoryRef& ref,
+absl::StatusOr<SharedMemorySpan> SharedMemoryRegistry::Resolve(const Identity& owner,
+                                                               const v1::SharedMemoryRef& ref,
                                                                uint64_t expected_bytes,
                                                                const std::string& field) const {
   std::shared_ptr<const SharedMemoryRegion> region;
   {
     absl::MutexLock lock(&mu_);
-    const auto it = regions_.find(ref.region());
+    const auto it = regions_.find(Key{owner, ref.region()});
+    // Another identity's region answers exactly as a name nobody registered.
     if (it == regions_.end()) {
-      return Invalid(absl::StrCat(field, ".region"),
-                     absl::StrCat("no region '", ref.region(), "' is registered"));
+      return absl::NotFoundError(
+          absl::StrCat(field, ".region: no region '", ref.region(), "' is registered"));
     }
     region = it->second;
   }
@@ -220,6 +209,12 @@ absl::StatusOr<SharedMemorySpan> SharedMemoryRegistry::Resolve(const v1::SharedM
 int SharedMemoryRegistry::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(regions_.size());
+}
+
+int SharedMemoryRegistry::size(const Identity& owner) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = per_owner_.find(owner);
+  return it == per_owner_.end() ? 0 : it->second;
 }
 
 uint64_t SharedMemoryRegistry::mapped_bytes() const {

@@ -1,15 +1,17 @@
-// Shared-memory regions for same-host clients. A client puts tensors in a POSIX shared-memory
-// object, registers a range of it under a name (RegisterSharedMemory), and sends requests whose
-// tensors refer to (region, offset, byte_size) instead of carrying bytes: gRPC moves a few
-// hundred bytes per request, and the batcher copies the tensors between the region and the
-// device (directly when a GPU server page-locked the region, else through its staging buffer) and
-// writes O back into it.
+// Shared-memory regions for same-host clients. A client puts tensors in a memory object of its
+// own, hands the server its descriptor (server/descriptor_socket.h), registers a range of it
+// under a name (RegisterSharedMemory), and sends requests whose tensors refer to (region,
+// offset, byte_size) instead of carrying bytes: gRPC moves a few hundred bytes per request, and
+// the batcher copies the tensors between the region and the device (directly when a GPU server
+// page-locked the region, else through its staging buffer) and writes O back into it.
+//
+// Trust: the server maps only descriptors the client opened itself (never a name it would open
+// with its own rights), and only memfds sealed against shrinking, so a region cannot vanish
+// under a copy. Regions belong to the identity that registered them: to every other identity a
+// region's name does not exist (NOT_FOUND), and each identity has its own cap.
 //
 // A region stays mapped while any request that resolved it holds its shared_ptr, so
-// unregistering never pulls memory from under a running batch. Trust: a registered object is
-// written by the client while the server reads it, and shrinking it below the registered range
-// would fault the server; so registration is only offered to peers on the same host (see
-// IsSameHostPeer) and can be switched off (--shared_memory=false).
+// unregistering never pulls memory from under a running batch.
 #pragma once
 
 #include <cstddef>
@@ -24,14 +26,14 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.pb.h"
+#include "server/identity.h"
 
 namespace attnserve {
 
 class SharedMemoryRegion {
  public:
-  // Maps [offset, offset + byte_size) of the POSIX shared-memory object `key` read-write.
-  static absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Map(const std::string& name,
-                                                                 const std::string& key,
+  // Maps [offset, offset + byte_size) of the memory object `fd` read-write (fd is not kept).
+  static absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Map(const std::string& name, int fd,
                                                                  uint64_t offset,
                                                                  uint64_t byte_size);
   ~SharedMemoryRegion();
@@ -39,7 +41,6 @@ class SharedMemoryRegion {
   SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
 
   const std::string& name() const { return name_; }
-  const std::string& key() const { return key_; }
   std::byte* data() const { return data_; }
   uint64_t size() const { return size_; }
   // Page-locked for device copies (see HostMemoryPinning).
@@ -52,10 +53,10 @@ class SharedMemoryRegion {
                    std::function<void(void*)> unpin);
 
  private:
-  SharedMemoryRegion(std::string name, std::string key, void* mapping, size_t mapping_bytes,
-                     std::byte* data, uint64_t size);
+  SharedMemoryRegion(std::string name, void* mapping, size_t mapping_bytes, std::byte* data,
+                     uint64_t size);
 
-  const std::string name_, key_;
+  const std::string name_;
   void* const mapping_;               // page-aligned, as mmap returned it
   std::function<void(void*)> unpin_;  // set once pinned
   const size_t mapping_bytes_;
@@ -79,30 +80,42 @@ struct HostMemoryPinning {
 
 class SharedMemoryRegistry {
  public:
-  static constexpr int kMaxRegions = 1024;
+  struct Limits {
+    int max_regions_per_owner = 64;
+    int max_regions = 4096;  // over every owner: bounds the mappings one process holds
+  };
 
   SharedMemoryRegistry() = default;
-  explicit SharedMemoryRegistry(HostMemoryPinning pinning) : pinning_(std::move(pinning)) {}
+  SharedMemoryRegistry(Limits limits, HostMemoryPinning pinning)
+      : limits_(limits), pinning_(std::move(pinning)) {}
 
-  // ALREADY_EXISTS for a taken name, INVALID_ARGUMENT naming the field, NOT_FOUND /
-  // PERMISSION_DENIED when the object cannot be opened, RESOURCE_EXHAUSTED past kMaxRegions.
-  // *pinned: whether the region could be page-locked (a region that cannot is still served,
-  // through the staging buffer).
-  absl::Status Register(const v1::RegisterSharedMemoryRequest& request, bool* pinned = nullptr);
-  // Empty name: every region. Returns how many were removed; NOT_FOUND for an unknown name.
-  absl::StatusOr<int> Unregister(const std::string& name);
+  // Maps the range of `fd` (a descriptor the caller checked, see DescriptorSocket) as `owner`'s
+  // region. ALREADY_EXISTS for a name the owner already uses, INVALID_ARGUMENT naming the field,
+  // RESOURCE_EXHAUSTED past the owner's cap. *pinned: whether the region could be page-locked (a
+  // region that cannot is still served, through the staging buffer).
+  absl::Status Register(const Identity& owner, const v1::RegisterSharedMemoryRequest& request,
+                        int fd, bool* pinned = nullptr);
+  // Empty name: every region of `owner`. Returns how many were removed; NOT_FOUND for a name
+  // the owner has not registered.
+  absl::StatusOr<int> Unregister(const Identity& owner, const std::string& name);
 
-  // The bytes a tensor refers to; `field` names it in errors ("q.shared_memory").
-  absl::StatusOr<SharedMemorySpan> Resolve(const v1::SharedMemoryRef& ref, uint64_t expected_bytes,
-                                           const std::string& field) const;
+  // The bytes a tensor refers to, in one of `owner`'s regions; `field` names it in errors
+  // ("q.shared_memory"). NOT_FOUND for a region the owner has not registered.
+  absl::StatusOr<SharedMemorySpan> Resolve(const Identity& owner, const v1::SharedMemoryRef& ref,
+                                           uint64_t expected_bytes, const std::string& field) const;
 
   int size() const;
+  int size(const Identity& owner) const;
   uint64_t mapped_bytes() const;
+  const Limits& limits() const { return limits_; }
 
  private:
+  using Key = std::pair<Identity, std::string>;
+  const Limits limits_ = {};
   const HostMemoryPinning pinning_ = {};
   mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<const SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, std::shared_ptr<const SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<Identity, int> per_owner_ ABSL_GUARDED_BY(mu_);
 };
 
 // Whether a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is a

@@ -4,11 +4,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "proto/wire/descriptor_passing.h"
 
 namespace attnserve::client {
 namespace {
@@ -21,52 +21,64 @@ absl::Status ErrnoError(const std::string& what) {
 
 absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> SharedMemoryBuffer::Create(int64_t bytes) {
   if (bytes <= 0) return absl::InvalidArgumentError("shared memory: size must be positive");
-  static std::atomic<int> next{0};
-  const std::string key = absl::StrCat("/attnserve-client-", getpid(), "-", next.fetch_add(1));
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) return ErrnoError(absl::StrCat("shared memory: cannot create ", key));
-  // Allocated, not just sized: with a full /dev/shm this fails here instead of a later write
-  // faulting with SIGBUS.
+  const int fd = memfd_create("attnserve-client", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return ErrnoError("shared memory: memfd_create");
+  // Allocated, not just sized: a shortage fails here instead of a later write faulting.
   if (const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); error != 0) {
     close(fd);
-    shm_unlink(key.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared memory: cannot allocate ", bytes, " bytes for ", key, ": ", std::strerror(error)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shared memory: cannot allocate ", bytes, " bytes: ", std::strerror(error)));
+  }
+  // The server maps only objects that cannot shrink under it.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    const absl::Status error = ErrnoError("shared memory: F_ADD_SEALS");
+    close(fd);
+    return error;
   }
   void* data = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const absl::Status error = ErrnoError(absl::StrCat("shared memory: cannot map ", key));
-  close(fd);
   if (data == MAP_FAILED) {
-    shm_unlink(key.c_str());
+    const absl::Status error = ErrnoError("shared memory: mmap");
+    close(fd);
     return error;
   }
   return std::unique_ptr<SharedMemoryBuffer>(
-      new SharedMemoryBuffer(key, static_cast<std::byte*>(data), bytes));
+      new SharedMemoryBuffer(fd, static_cast<std::byte*>(data), bytes));
 }
 
 SharedMemoryBuffer::~SharedMemoryBuffer() {
   munmap(data_, static_cast<size_t>(size_));
-  Unlink();
-}
-
-void SharedMemoryBuffer::Unlink() {
-  if (linked_) shm_unlink(key_.c_str());
-  linked_ = false;
+  close(fd_);
 }
 
 grpc::Status RegisterSharedMemory(v1::AttentionService::Stub& stub, const ChannelFactory& factory,
-                                  const std::string& name, SharedMemoryBuffer& buffer) {
+                                  const std::string& name, const SharedMemoryBuffer& buffer) {
+  v1::ServerInfo info;
+  {
+    grpc::ClientContext context;
+    factory.Prepare(&context, absl::Seconds(30));
+    const grpc::Status status = stub.GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+    if (!status.ok()) return status;
+  }
+  if (info.shared_memory_socket().empty()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "shared memory: the server offers no shared-memory socket (disabled, or a "
+                        "server too old for descriptor passing)");
+  }
+  absl::StatusOr<std::string> token =
+      wire::PassDescriptor(info.shared_memory_socket(), buffer.fd());
+  if (!token.ok()) {
+    return grpc::Status(static_cast<grpc::StatusCode>(token.status().code()),
+                        std::string(token.status().message()));
+  }
   v1::RegisterSharedMemoryRequest request;
   request.set_name(name);
-  request.set_key(buffer.key());
+  request.set_fd_token(*token);
   request.set_offset(0);
   request.set_byte_size(static_cast<uint64_t>(buffer.size()));
   grpc::ClientContext context;
   factory.Prepare(&context, absl::Seconds(30));
   v1::RegisterSharedMemoryResponse response;
-  const grpc::Status status = stub.RegisterSharedMemory(&context, request, &response);
-  buffer.Unlink();
-  return status;
+  return stub.RegisterSharedMemory(&context, request, &response);
 }
 
 grpc::Status UnregisterSharedMemory(v1::AttentionService::Stub& stub, const ChannelFactory& factory,

@@ -1,6 +1,7 @@
-// The client side of shared-memory tensors: a POSIX shared-memory object this process creates
-// and maps, registered with the server as a region, and the requests that refer to it instead
-// of carrying their tensors' bytes.
+// The client side of shared-memory tensors: a memfd this process creates, seals against
+// shrinking and maps, registered with the server as a region by passing its descriptor (the
+// exchange in proto/wire/descriptor_passing.h), and the requests that refer to it instead of
+// carrying their tensors' bytes.
 #pragma once
 
 #include <cstddef>
@@ -17,33 +18,28 @@ namespace attnserve::client {
 
 class SharedMemoryBuffer {
  public:
-  // A fresh object of `bytes` (zeroed) under a unique name, mapped read-write.
+  // A fresh memfd of `bytes` (zeroed, backed), sealed against shrinking, mapped read-write.
   static absl::StatusOr<std::unique_ptr<SharedMemoryBuffer>> Create(int64_t bytes);
-  ~SharedMemoryBuffer();  // unmaps, and removes the name if still there
+  ~SharedMemoryBuffer();  // unmaps and closes; the server's mapping lives on until unregistered
   SharedMemoryBuffer(const SharedMemoryBuffer&) = delete;
   SharedMemoryBuffer& operator=(const SharedMemoryBuffer&) = delete;
 
-  const std::string& key() const { return key_; }  // shm_open's name
+  int fd() const { return fd_; }
   std::byte* data() const { return data_; }
   int64_t size() const { return size_; }
 
-  // Removes the name; the memory lives on while mapped (here and in the server).
-  void Unlink();
-
  private:
-  SharedMemoryBuffer(std::string key, std::byte* data, int64_t size)
-      : key_(std::move(key)), data_(data), size_(size) {}
+  SharedMemoryBuffer(int fd, std::byte* data, int64_t size) : fd_(fd), data_(data), size_(size) {}
 
-  const std::string key_;
+  const int fd_;
   std::byte* const data_;
   const int64_t size_;
-  bool linked_ = true;
 };
 
-// Registers the whole buffer as region `name`, then unlinks its name: once both sides have it
-// mapped nothing needs the name, and nothing is left behind in /dev/shm if either side dies.
+// Registers the whole buffer as region `name`: passes its descriptor to the server's
+// shared-memory socket (asked of GetServerInfo), then RegisterSharedMemory with the token.
 grpc::Status RegisterSharedMemory(v1::AttentionService::Stub& stub, const ChannelFactory& factory,
-                                  const std::string& name, SharedMemoryBuffer& buffer);
+                                  const std::string& name, const SharedMemoryBuffer& buffer);
 grpc::Status UnregisterSharedMemory(v1::AttentionService::Stub& stub, const ChannelFactory& factory,
                                     const std::string& name);
 

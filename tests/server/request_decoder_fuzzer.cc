@@ -22,25 +22,28 @@ namespace {
 
 constexpr uint64_t kRegionBytes = 64 << 10;
 
-// One region, "fuzz", registered for the whole run; its object's name is removed at once.
+const attnserve::Identity kOwner{"fuzzer"};
+
+// One region, "fuzz", registered for the whole run from a sealed memfd, as clients make them.
 const attnserve::SharedMemoryRegistry& Registry() {
   static attnserve::SharedMemoryRegistry* registry = [] {
     auto* r = new attnserve::SharedMemoryRegistry;
-    const std::string key = "/attnserve-fuzz-" + std::to_string(getpid());
-    const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0 || ftruncate(fd, kRegionBytes) != 0) std::abort();
-    close(fd);
+    const int fd = memfd_create("attnserve-fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, kRegionBytes) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+      std::abort();
+    }
     attnserve::v1::RegisterSharedMemoryRequest request;
     request.set_name("fuzz");
-    request.set_key(key);
     request.set_offset(0);
     request.set_byte_size(kRegionBytes);
-    if (!r->Register(request).ok()) std::abort();
-    shm_unlink(key.c_str());
+    if (!r->Register(kOwner, request, fd).ok()) std::abort();
+    close(fd);
     return r;
   }();
   return *registry;
 }
+
+attnserve::SharedMemoryScope Scope() { return {&Registry(), kOwner}; }
 
 // The bytes a tensor claims: its data, or its shared-memory range.
 int64_t ClaimedBytes(const attnserve::v1::Tensor& t) {
@@ -51,7 +54,7 @@ int64_t ClaimedBytes(const attnserve::v1::Tensor& t) {
 // Aborts unless `p` .. p + bytes lies inside the "fuzz" region when `t` is in shared memory.
 void CheckInRegion(const attnserve::v1::Tensor& t, const char* p, int64_t bytes) {
   if (!t.has_shared_memory()) return;
-  auto span = Registry().Resolve(t.shared_memory(), static_cast<uint64_t>(bytes), "t");
+  auto span = Registry().Resolve(kOwner, t.shared_memory(), static_cast<uint64_t>(bytes), "t");
   if (!span.ok() || reinterpret_cast<const std::byte*>(p) != span->data ||
       span->data + bytes > span->region->data() + span->region->size()) {
     std::abort();
@@ -93,7 +96,7 @@ void CheckBackward(const attnserve::v1::AttendRequest& forward,
   }
   if (in.ConsumeBool()) *r.mutable_o() = forward.q();
   if (in.ConsumeBool()) FillTensor(in, r.mutable_lse());
-  const auto decoded = attnserve::DecodeAttendBackwardRequest(r, limits, &Registry());
+  const auto decoded = attnserve::DecodeAttendBackwardRequest(r, limits, Scope());
   if (!decoded.ok()) return;
   const attn::AttentionProblem& p = decoded->problem;
   const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * attn::DTypeSize(p.dtype);
@@ -145,7 +148,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   attnserve::DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{64} << 20;
-  const auto decoded = attnserve::DecodeAttendRequest(request, limits, &Registry());
+  const auto decoded = attnserve::DecodeAttendRequest(request, limits, Scope());
   if (!decoded.ok()) return 0;
   CheckBackward(request, limits, data, size);
   const attn::AttentionProblem& p = decoded->problem;

@@ -19,6 +19,9 @@ class ServerProcess {
   ~ServerProcess();
 
   int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  // The directory holding the server's files (its log); removed with this object.
+  const std::string& dir() const { return dir_; }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
 
   // Sends `signal` and waits for the exit; returns the exit status, or -1 after `timeout`
