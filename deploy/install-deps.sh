@@ -25,6 +25,10 @@ packages+=(clang clang-format)
 # server those tests scrape with.
 packages+=(python3 python3-grpcio python3-protobuf python3-numpy python3-pytest prometheus)
 packages+=(python3-yaml)  # tests/deploy: checks of deploy/'s compose, Prometheus, Grafana, k8s files
+# tests/server/buf_curl_test.py: openssl makes its certificate, npm installs buf curl. A Node.js
+# that brought its own npm keeps it (Debian's npm package would conflict with that one).
+packages+=(openssl)
+command -v npm >/dev/null 2>&1 || packages+=(npm)
 # The Python client's package (clients/python): pip installs it into a venv over the system's
 # modules, setuptools and wheel build it (running protobuf-compiler's protoc), python3-build makes
 # its wheel and sdist.

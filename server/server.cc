@@ -19,6 +19,7 @@
 #include "server/channel_args.h"
 #include "server/device_pool.h"
 #include "server/logging.h"
+#include "server/reflection_service.h"
 
 namespace attnserve {
 namespace {
@@ -250,6 +251,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpc.reflection.v1alpha
   grpc::ServerBuilder builder;
+  AddReflectionService(&builder);  // grpc.reflection.v1
   builder.AddListeningPort(config.listen, credentials, &self->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
