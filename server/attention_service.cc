@@ -95,18 +95,14 @@ class AttendBackwardReactor final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
-AttentionService::AttentionService(Options options,
-                                   std::vector<std::unique_ptr<attn::Engine>> probes,
+AttentionService::AttentionService(Options options, std::vector<attn::EngineKind> engines,
                                    Batcher* batcher, Metrics* metrics, v1::ServerInfo info)
     : options_(std::move(options)),
       batcher_(batcher),
       metrics_(metrics),
       info_(std::move(info)),
       shared_memory_(options_.shared_memory_limits, options_.shared_memory_pinning),
-      probes_(std::move(probes)) {
-  absl::MutexLock lock(&probes_mu_);
-  for (const auto& e : probes_) kinds_.push_back(e->kind());
-}
+      kinds_(std::move(engines)) {}
 
 absl::Time AttentionService::DeadlineOf(const grpc::ServerContextBase& context) {
   const auto deadline = context.deadline();
@@ -162,22 +158,23 @@ absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
       reason = Metrics::PathReason::kAuto;
     }
   }
-  absl::MutexLock lock(&probes_mu_);
-  for (size_t i = 0; i < probes_.size(); ++i) {
+  const attn::Pass pass = request.backward ? attn::Pass::kBackward : attn::Pass::kForward;
+  for (size_t i = 0; i < kinds_.size(); ++i) {
     if (!PathRuns(request.path, kinds_[i])) continue;
-    absl::Status s = request.backward ? probes_[i]->SupportsBackward(request.problem)
-                                      : probes_[i]->SupportsForward(request.problem);
-    if (s.ok()) {
+    const attn::Support support =
+        attn::EngineSupports(kinds_[i], pass, request.problem, options_.engine_options);
+    if (support.ok()) {
       return EngineChoice{static_cast<int>(i),
                           automatic ? reason : Metrics::PathReason::kRequested};
     }
     if (automatic && !refused) {
       refused = true;
-      reason = Metrics::FallbackReason(s);
+      reason = Metrics::FallbackReason(support.reason());
     }
+    absl::Status s = support.status();
     if (absl::IsUnimplemented(s)) s = absl::InvalidArgumentError(s.message());
-    last = absl::Status(
-        s.code(), absl::StrCat(s.message(), " (engine ", std::string(probes_[i]->name()), ")"));
+    last = absl::Status(s.code(), absl::StrCat(s.message(), " (engine ",
+                                               std::string(attn::EngineKindName(kinds_[i])), ")"));
   }
   return last;
 }

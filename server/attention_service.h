@@ -45,12 +45,15 @@ class AttentionService final : public AttentionServiceBase {
     DescriptorSocket* descriptor_socket = nullptr;
     SharedMemoryRegistry::Limits shared_memory_limits;
     HostMemoryPinning shared_memory_pinning;  // GPU servers: page-lock regions
+    // What the lanes' engines were created with: their support answers depend on it.
+    attn::EngineOptions engine_options;
   };
 
-  // `probes` hold one instance per engine the lanes run, in the same order (AUTO's preference);
-  // they only answer SupportsForward. `info` is GetServerInfo's answer, less the stats.
-  AttentionService(Options options, std::vector<std::unique_ptr<attn::Engine>> probes,
-                   Batcher* batcher, Metrics* metrics, v1::ServerInfo info);
+  // `engines` are the kinds every lane runs, in the same order (AUTO's preference); the
+  // service asks attn::EngineSupports about them. `info` is GetServerInfo's answer, less the
+  // stats.
+  AttentionService(Options options, std::vector<attn::EngineKind> engines, Batcher* batcher,
+                   Metrics* metrics, v1::ServerInfo info);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -103,7 +106,7 @@ class AttentionService final : public AttentionServiceBase {
 
  private:
   struct EngineChoice {
-    int index = 0;  // into probes_ and every lane's engines
+    int index = 0;  // into kinds_ and every lane's engines
     Metrics::PathReason reason = Metrics::PathReason::kAuto;
   };
   absl::StatusOr<EngineChoice> ChooseEngine(const DecodedRequest& request);
@@ -126,9 +129,7 @@ class AttentionService final : public AttentionServiceBase {
   absl::Mutex calls_mu_;
   int64_t calls_in_progress_ ABSL_GUARDED_BY(calls_mu_) = 0;
 
-  absl::Mutex probes_mu_;
-  std::vector<std::unique_ptr<attn::Engine>> probes_ ABSL_GUARDED_BY(probes_mu_);
-  std::vector<attn::EngineKind> kinds_;  // of the probes, fixed after construction
+  const std::vector<attn::EngineKind> kinds_;  // the lanes' engines
 };
 
 }  // namespace attnserve

@@ -109,12 +109,17 @@ int64_t NaiveIoBytes(const attn::AttentionProblem& p, bool lse) {
   return FusedIoBytes(p, lse) + p.num_heads * pairs * (2 * 4 + 2 * es);
 }
 
-Metrics::PathReason Metrics::FallbackReason(const absl::Status& refusal) {
-  const absl::string_view message = refusal.message();
-  if (absl::StrContains(message, "dtype")) return PathReason::kUnsupportedDtype;
-  if (absl::StrContains(message, "head_dim")) return PathReason::kUnsupportedHeadDim;
-  if (absl::StrContains(message, "align")) return PathReason::kUnaligned;
-  return PathReason::kUnsupported;
+Metrics::PathReason Metrics::FallbackReason(attn::Refusal refusal) {
+  switch (refusal) {
+    case attn::Refusal::kUnsupportedDtype:
+      return PathReason::kUnsupportedDtype;
+    case attn::Refusal::kUnsupportedHeadDim:
+      return PathReason::kUnsupportedHeadDim;
+    case attn::Refusal::kUnaligned:
+      return PathReason::kUnaligned;
+    default:
+      return PathReason::kUnsupported;
+  }
 }
 
 Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {

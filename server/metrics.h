@@ -61,9 +61,8 @@ class Metrics {
   };
   enum class Memory : uint8_t { kDevice, kHost };
 
-  // Maps an engine's SupportsForward refusal (kernels/cuda: "dtype ...", "head_dim ...",
-  // alignment) to the bounded reason set.
-  static PathReason FallbackReason(const absl::Status& refusal);
+  // Maps the reason an engine refused a problem (attn::Support) to the bounded reason set.
+  static PathReason FallbackReason(attn::Refusal refusal);
 
   // One engine call over a packed batch, after it completed.
   struct Launch {

@@ -58,11 +58,10 @@ absl::StatusOr<std::vector<attn::EngineKind>> ChooseEngineKinds(const Config& co
   for (attn::EngineKind kind : {attn::EngineKind::kCudaFused, attn::EngineKind::kCudaNaive}) {
     attn::EngineOptions options;
     options.device = config.devices.front();
-    absl::StatusOr<std::unique_ptr<attn::Engine>> probe = attn::CreateEngine(kind, options);
-    if (probe.ok()) {
+    if (const absl::Status available = attn::EngineAvailable(kind, options); available.ok()) {
       kinds.push_back(kind);
     } else {
-      ATTN_LOG(kInfo) << EngineKindName(kind) << " not used: " << probe.status().message();
+      ATTN_LOG(kInfo) << EngineKindName(kind) << " not used: " << available.message();
     }
   }
   kinds.push_back(attn::EngineKind::kCpuTiled);
@@ -74,7 +73,7 @@ bool IsDeviceKind(attn::EngineKind kind) {
 }
 
 v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::EngineKind>& kinds,
-                              const std::vector<std::unique_ptr<attn::Engine>>& probes, int lanes) {
+                              int lanes) {
   v1::ServerInfo info;
   info.set_version(kVersion);
   bool gpu = false;
@@ -89,11 +88,13 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
     if (!listed) info.add_paths(path);
   }
   info.set_gpu(gpu);
-  // Asked of the engines themselves, on a problem every engine with a backward pass takes.
+  // Asked of the engine kinds, on a problem every engine with a backward pass takes.
   const attn::AttentionProblem sample =
       attn::DenseProblem(attn::DType::kF16, 1, 16, 16, 2, 1, 64, /*causal=*/false);
-  for (const auto& probe : probes) {
-    if (probe->SupportsBackward(sample).ok()) info.add_backward_engines(std::string(probe->name()));
+  for (attn::EngineKind kind : kinds) {
+    if (attn::EngineSupports(kind, attn::Pass::kBackward, sample).ok()) {
+      info.add_backward_engines(std::string(attn::EngineKindName(kind)));
+    }
   }
   if (gpu) {
     for (int d : config.devices) {
@@ -110,7 +111,14 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
   for (v1::DType t : {v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16, v1::DTYPE_BFLOAT16}) {
     info.add_dtypes(t);
   }
-  for (int d : {32, 64, 96, 128, 256}) info.add_head_dims(d);
+  // The head dims the fused forward kernels are compiled for, from their table.
+  for (const attn::FusedCapability& row : attn::FusedCapabilities()) {
+    if (row.pass != attn::Pass::kForward) continue;
+    const auto& dims = info.head_dims();
+    if (std::find(dims.begin(), dims.end(), row.head_dim) == dims.end()) {
+      info.add_head_dims(row.head_dim);
+    }
+  }
   v1::Limits* limits = info.mutable_limits();
   limits->set_max_message_bytes(config.max_message_bytes);
   limits->set_max_batch_tokens(config.max_batch_tokens);
@@ -179,15 +187,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   }
   const int lane_count = static_cast<int>(lanes.size());
 
-  std::vector<std::unique_ptr<attn::Engine>> probes;
-  for (attn::EngineKind kind : kinds) {
-    attn::EngineOptions options;
-    options.device = lane_devices.front();
-    options.num_threads = 1;
-    ATTN_ASSIGN_OR_RETURN(std::unique_ptr<attn::Engine> probe, attn::CreateEngine(kind, options));
-    probes.push_back(std::move(probe));
-  }
-
   self->metrics_.SetBuildInfo(kVersion, any_device);
   if (!config.metrics_address.empty()) {
     if (absl::Status s = self->metrics_.StartExporter(config.metrics_address); !s.ok()) {
@@ -227,12 +226,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     service_options.shared_memory_pinning = {DevicePool::PinHostMemory,
                                              DevicePool::UnpinHostMemory};
   }
-  v1::ServerInfo info = DescribeServer(config, kinds, probes, lane_count);
+  v1::ServerInfo info = DescribeServer(config, kinds, lane_count);
   if (self->descriptor_socket_ != nullptr) {
     info.set_shared_memory_socket(self->descriptor_socket_->address());
   }
   self->service_ = std::make_unique<AttentionService>(
-      service_options, std::move(probes), self->batcher_.get(), &self->metrics_, std::move(info));
+      service_options, kinds, self->batcher_.get(), &self->metrics_, std::move(info));
 
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (!config.tls_cert_file.empty()) {

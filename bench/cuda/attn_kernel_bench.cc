@@ -190,9 +190,9 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   EngineOptions options;
   options.workspace_limit_bytes = static_cast<int64_t>(f.workspace_limit_gb * (1ll << 30));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, CreateEngine(kind, options));
-  if (absl::Status s = f.backward ? engine->SupportsBackward(p) : engine->SupportsForward(p);
+  if (const Support s = f.backward ? engine->SupportsBackward(p) : engine->SupportsForward(p);
       !s.ok()) {
-    row.status = s.ToString();
+    row.status = s.status().ToString();
     return absl::OkStatus();
   }
   cudaStream_t stream = nullptr;

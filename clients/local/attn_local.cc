@@ -271,8 +271,8 @@ int Main() {
       return 2;
     }
   }
-  if (absl::Status s = (*engine)->SupportsForward(p); !s.ok()) {
-    absl::FPrintF(stderr, "attn_local: %s: %s\n", (*engine)->name(), s.ToString());
+  if (const attn::Support s = (*engine)->SupportsForward(p); !s.ok()) {
+    absl::FPrintF(stderr, "attn_local: %s: %s\n", (*engine)->name(), s.status().ToString());
     return 2;
   }
 

@@ -1,4 +1,5 @@
-// Factories of the CPU engines (used by CreateEngine).
+// Factories of the CPU engines (used by the registry's CreateEngine). Both engines run every
+// valid problem, so their support is ValidProblemSupport.
 #pragma once
 
 #include <memory>

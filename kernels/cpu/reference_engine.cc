@@ -9,7 +9,7 @@
 #include "attn/status_macros.h"
 #include "cpu/cpu_engines.h"
 #include "cpu/float_rows.h"
-#include "cpu/thread_pool.h"
+#include "cpu/host_engine.h"
 
 namespace attn {
 namespace {
@@ -77,25 +77,17 @@ HeadForward ForwardHead(const AttentionProblem& p, int b, const std::vector<doub
   return f;
 }
 
-class CpuReferenceEngine final : public Engine {
+class CpuReferenceEngine final : public cpu::HostEngine {
  public:
-  explicit CpuReferenceEngine(const EngineOptions& options)
-      : pool_(options.num_threads, "attn-cpu-ref") {}
+  explicit CpuReferenceEngine(const EngineOptions& options) : HostEngine(options, "attn-cpu-ref") {}
 
   EngineKind kind() const override { return EngineKind::kCpuReference; }
-  MemorySpace memory_space() const override { return MemorySpace::kHost; }
-  absl::Status SupportsForward(const AttentionProblem& p) const override {
-    return ValidateProblem(p);
-  }
-  absl::Status SupportsBackward(const AttentionProblem& p) const override {
-    return ValidateProblem(p);
-  }
 
   absl::Status Forward(const AttentionProblem& p, const ForwardArgs& a) override {
     ATTN_RETURN_IF_ERROR(ValidateForward(p, a));
     const int d = p.head_dim, group = p.group_size();
     const int64_t total_q = p.total_q();
-    pool_.ParallelFor(int64_t{p.batch()} * p.num_heads, [&](int, int64_t item) {
+    pool().ParallelFor(int64_t{p.batch()} * p.num_heads, [&](int, int64_t item) {
       const int b = static_cast<int>(item / p.num_heads);
       const int h = static_cast<int>(item % p.num_heads);
       const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
@@ -123,7 +115,7 @@ class CpuReferenceEngine final : public Engine {
     ATTN_RETURN_IF_ERROR(ValidateBackward(p, a));
     const int d = p.head_dim, group = p.group_size();
     const double scale = p.scale();
-    pool_.ParallelFor(int64_t{p.batch()} * p.num_kv_heads, [&](int, int64_t item) {
+    pool().ParallelFor(int64_t{p.batch()} * p.num_kv_heads, [&](int, int64_t item) {
       const int b = static_cast<int>(item / p.num_kv_heads);
       const int kvh = static_cast<int>(item % p.num_kv_heads);
       const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
@@ -165,9 +157,6 @@ class CpuReferenceEngine final : public Engine {
     });
     return absl::OkStatus();
   }
-
- private:
-  cpu::ThreadPool pool_;
 };
 
 }  // namespace

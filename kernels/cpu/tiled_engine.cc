@@ -4,7 +4,7 @@
 
 #include "attn/status_macros.h"
 #include "cpu/cpu_engines.h"
-#include "cpu/thread_pool.h"
+#include "cpu/host_engine.h"
 #include "cpu/tiled_kernels.h"
 
 namespace attn {
@@ -26,33 +26,23 @@ std::vector<RowBlock> SplitRows(const std::vector<int32_t>& cu_seqlens, int bloc
 
 namespace {
 
-class CpuTiledEngine final : public Engine {
+class CpuTiledEngine final : public cpu::HostEngine {
  public:
-  explicit CpuTiledEngine(const EngineOptions& options) : pool_(options.num_threads, "attn-cpu") {}
+  explicit CpuTiledEngine(const EngineOptions& options) : HostEngine(options, "attn-cpu") {}
 
   EngineKind kind() const override { return EngineKind::kCpuTiled; }
-  MemorySpace memory_space() const override { return MemorySpace::kHost; }
-  absl::Status SupportsForward(const AttentionProblem& p) const override {
-    return ValidateProblem(p);
-  }
-  absl::Status SupportsBackward(const AttentionProblem& p) const override {
-    return ValidateProblem(p);
-  }
 
   absl::Status Forward(const AttentionProblem& p, const ForwardArgs& a) override {
     ATTN_RETURN_IF_ERROR(ValidateForward(p, a));
-    cpu::TiledForward(p, a, pool_);
+    cpu::TiledForward(p, a, pool());
     return absl::OkStatus();
   }
 
   absl::Status Backward(const AttentionProblem& p, const BackwardArgs& a) override {
     ATTN_RETURN_IF_ERROR(ValidateBackward(p, a));
-    cpu::TiledBackward(p, a, pool_);
+    cpu::TiledBackward(p, a, pool());
     return absl::OkStatus();
   }
-
- private:
-  cpu::ThreadPool pool_;
 };
 
 }  // namespace

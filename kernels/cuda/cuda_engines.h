@@ -1,8 +1,10 @@
-// Factories of the CUDA engines (used by CreateEngine). UNAVAILABLE when no device is usable.
+// The CUDA engines' factories and their engine-less answers, for the registry
+// (kernels/registry/). UNAVAILABLE when no device is usable.
 #pragma once
 
 #include <memory>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attn/engine.h"
 #include "cuda/fused/fused_forward.h"
@@ -13,5 +15,10 @@ namespace attn {
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(
     const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto);
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options);
+
+// EngineAvailable and EngineSupports for kCudaFused and kCudaNaive.
+absl::Status CudaEngineAvailable(EngineKind kind, const EngineOptions& options);
+Support CudaEngineSupports(EngineKind kind, Pass pass, const AttentionProblem& p,
+                           const EngineOptions& options);
 
 }  // namespace attn

@@ -69,8 +69,9 @@ TEST(CudaNaive, ResourceExhaustedUnderSmallLimitLeavesOutputsAlone) {
   auto engine = MustCreate(EngineKind::kCudaNaive, options);
   ASSERT_NE(engine, nullptr);
   const AttentionProblem p = DenseProblem(DType::kF16, 1, 1013, 1013, 2, 2, 64);
-  const absl::Status supports = engine->SupportsForward(p);
-  EXPECT_EQ(supports.code(), absl::StatusCode::kResourceExhausted) << supports;
+  const Support supports = engine->SupportsForward(p);
+  EXPECT_EQ(supports.reason(), Refusal::kTooLarge) << supports;
+  EXPECT_EQ(supports.status().code(), absl::StatusCode::kResourceExhausted) << supports;
   AttentionTensors t = AttentionTensors::Make(p, FreshSeed());
   t.PoisonOutputs();
   auto device = DeviceForward::Upload(t);

@@ -13,9 +13,10 @@
 #include "common/naive_attention.h"
 #include "common/reference.h"
 #include "common/sweep.h"
-#include "cuda/common/dispatch.h"
+#include "cuda/common/alignment.h"
 #include "cuda/cuda_engines.h"
 #include "cuda/fused/fused_forward.h"
+#include "cuda/fused/fused_support.h"
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
 
@@ -98,9 +99,9 @@ TEST_P(CudaSweepTest, FusedBackwardMatchesReference) {
   const SweepCase& c = GetParam();
   auto fused = MustCreate(EngineKind::kCudaFused);
   ASSERT_NE(fused, nullptr);
-  if (const absl::Status supported = fused->SupportsBackward(c.problem); !supported.ok()) {
+  if (const Support supported = fused->SupportsBackward(c.problem); !supported.ok()) {
     ASSERT_FALSE(FusedMustSupport(c.problem)) << supported;
-    GTEST_SKIP() << "fused backward does not cover this problem: " << supported.message();
+    GTEST_SKIP() << "fused backward does not cover this problem: " << supported;
   }
   RunBackwardAndCheck(*fused, c);
 }
@@ -143,12 +144,12 @@ TEST_P(CudaSweepTest, FusedForwardMatchesReference) {
   SCOPED_TRACE(trace_);
   const SweepCase& c = GetParam();
   const AttentionProblem& p = c.problem;
-  const absl::Status supported = cuda::FusedForwardSupports(p);
+  const Support supported = cuda::FusedSupports(Pass::kForward, p);
   if (FusedMustSupport(p)) {
     ASSERT_TRUE(supported.ok()) << "the fused kernel must cover fp16/bf16 with head_dim 64/128: "
                                 << supported;
   } else if (!supported.ok()) {
-    GTEST_SKIP() << "fused kernel does not cover this problem: " << supported.message();
+    GTEST_SKIP() << "fused kernel does not cover this problem: " << supported;
   }
   auto fused = MustCreate(EngineKind::kCudaFused);
   ASSERT_NE(fused, nullptr);
@@ -164,9 +165,9 @@ TEST_P(CudaSweepTest, FusedPortableForwardMatchesReference) {
   SCOPED_TRACE(trace_);
   const SweepCase& c = GetParam();
   const AttentionProblem& p = c.problem;
-  const absl::Status supported = cuda::FusedForwardSupports(p);
+  const Support supported = cuda::FusedSupports(Pass::kForward, p);
   if (!supported.ok()) {
-    GTEST_SKIP() << "fused kernel does not cover this problem: " << supported.message();
+    GTEST_SKIP() << "fused kernel does not cover this problem: " << supported;
   }
   auto fused = MakeCudaFusedEngine(EngineOptions{}, cuda::FusedKernel::kPortable);
   ASSERT_TRUE(fused.ok()) << fused.status();
@@ -174,31 +175,37 @@ TEST_P(CudaSweepTest, FusedPortableForwardMatchesReference) {
   RunAndCheck(**fused, p, t);
 }
 
-TEST_P(CudaSweepTest, DispatcherAutoMatchesReference) {
+// What a caller choosing between the CUDA engines runs (the server's AUTO order: fused when it
+// supports the problem and the tensors keep its alignment rule, naive otherwise) matches the
+// reference, on the real engines.
+TEST_P(CudaSweepTest, AutoChoiceMatchesReference) {
   SCOPED_TRACE(trace_);
   const SweepCase& c = GetParam();
   const AttentionProblem& p = c.problem;
-  auto dispatcher = cuda::Dispatcher::Create();
-  ASSERT_TRUE(dispatcher.ok()) << dispatcher.status();
   AttentionTensors t = AttentionTensors::Make(p, seed_, c.padded);
   auto ref = RunReference(p, t, /*backward=*/false);
   ASSERT_TRUE(ref.ok()) << ref.status();
   t.PoisonOutputs();
   auto device = DeviceForward::Upload(t);
   ASSERT_TRUE(device.ok()) << device.status();
-  auto decision = (*dispatcher)->Forward(p, device->args(), cuda::PathPreference::kAuto);
-  ASSERT_TRUE(decision.ok()) << decision.status();
+  const Support fused_supports = EngineSupports(EngineKind::kCudaFused, Pass::kForward, p);
+  const absl::Status aligned = cuda::CheckRowsAligned16(p, device->args());
+  const EngineKind chosen =
+      fused_supports.ok() && aligned.ok() ? EngineKind::kCudaFused : EngineKind::kCudaNaive;
+  if (chosen == EngineKind::kCudaNaive) {
+    ASSERT_TRUE(EngineSupports(chosen, Pass::kForward, p).ok());
+  }
+  auto engine = MustCreate(chosen);
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->SupportsForward(p).ok()) << engine->SupportsForward(p);
+  const absl::Status run = engine->Forward(p, device->args());
+  ASSERT_TRUE(run.ok()) << run;
   ASSERT_TRUE(device->Download(t).ok());
-  const bool fused_expected =
-      cuda::FusedForwardSupports(p).ok() && cuda::CheckFusedAlignment(p, device->args()).ok();
-  EXPECT_EQ(decision->path, fused_expected ? EngineKind::kCudaFused : EngineKind::kCudaNaive)
-      << decision->reason;
-  EXPECT_FALSE(decision->reason.empty());
   EXPECT_EQ(t.o.CountPoisoned(), 0);
   NaiveForwardResult naive;
   if (p.dtype != DType::kF32) naive = NaiveForward(p, t.q, t.k, t.v);
   const absl::Status o_ok = CheckAccuracy("O", p.dtype, t.o.ToDouble(), ref->o, &naive.o);
-  EXPECT_TRUE(o_ok.ok()) << o_ok.message() << " (path " << EngineKindName(decision->path) << ")";
+  EXPECT_TRUE(o_ok.ok()) << o_ok.message() << " (path " << EngineKindName(chosen) << ")";
   const absl::Status lse_ok = CheckLse(t.lse, ref->lse);
   EXPECT_TRUE(lse_ok.ok()) << lse_ok.message();
 }

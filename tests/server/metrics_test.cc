@@ -149,14 +149,11 @@ TEST(MetricsFormulas, FusedAndNaiveIoBytes) {
 
 TEST(MetricsFormulas, FallbackReasonsAreBounded) {
   using R = Metrics::PathReason;
-  EXPECT_EQ(Metrics::FallbackReason(absl::UnimplementedError("cuda_fused: dtype float32 ...")),
-            R::kUnsupportedDtype);
-  EXPECT_EQ(Metrics::FallbackReason(absl::UnimplementedError("cuda_fused: head_dim 7 ...")),
-            R::kUnsupportedHeadDim);
-  EXPECT_EQ(Metrics::FallbackReason(absl::InvalidArgumentError("q: not 16-byte aligned")),
-            R::kUnaligned);
-  EXPECT_EQ(Metrics::FallbackReason(absl::ResourceExhaustedError("S does not fit")),
-            R::kUnsupported);
+  EXPECT_EQ(Metrics::FallbackReason(attn::Refusal::kUnsupportedDtype), R::kUnsupportedDtype);
+  EXPECT_EQ(Metrics::FallbackReason(attn::Refusal::kUnsupportedHeadDim), R::kUnsupportedHeadDim);
+  EXPECT_EQ(Metrics::FallbackReason(attn::Refusal::kUnaligned), R::kUnaligned);
+  EXPECT_EQ(Metrics::FallbackReason(attn::Refusal::kTooLarge), R::kUnsupported);
+  EXPECT_EQ(Metrics::FallbackReason(attn::Refusal::kOther), R::kUnsupported);
 }
 
 // The GPU-only gauges, through the hooks the lanes call (no GPU needed).

@@ -59,4 +59,13 @@ absl::StatusOr<int> CountDevices() {
   return count;
 }
 
+absl::Status CheckDevice(std::string_view engine, int device) {
+  ATTN_ASSIGN_OR_RETURN(const int devices, CountDevices());
+  if (device < 0 || device >= devices) {
+    return absl::UnavailableError(absl::StrCat(std::string(engine), ": device ", device,
+                                               " does not exist (", devices, " devices)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace attn::cuda

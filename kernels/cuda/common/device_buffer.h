@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <string_view>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -119,5 +120,9 @@ class ScopedDevice {
 
 // Number of usable devices; UNAVAILABLE (with CUDA's reason) when there are none.
 absl::StatusOr<int> CountDevices();
+
+// OK when `device` is a usable ordinal; otherwise UNAVAILABLE naming `engine` (what an engine's
+// factory returns without a device).
+absl::Status CheckDevice(std::string_view engine, int device);
 
 }  // namespace attn::cuda

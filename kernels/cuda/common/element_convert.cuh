@@ -1,11 +1,29 @@
-// Conversions between float and the element types the CUDA kernels store, for device code:
-// round to nearest even on the way down.
+// The element types the CUDA kernels store, and conversions between them and float for device
+// code: round to nearest even on the way down.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "attn/dtype.h"
+
 namespace attn::cuda {
+
+// The CUDA type of a DType's elements.
+template <DType kDType>
+struct ElementOf;
+template <>
+struct ElementOf<DType::kF32> {
+  using type = float;
+};
+template <>
+struct ElementOf<DType::kF16> {
+  using type = __half;
+};
+template <>
+struct ElementOf<DType::kBF16> {
+  using type = __nv_bfloat16;
+};
 
 template <typename T>
 __device__ __forceinline__ float ToFloat(T x);

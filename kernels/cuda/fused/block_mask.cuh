@@ -4,30 +4,9 @@
 #pragma once
 
 #include "cuda/fused/fused_forward.h"
+#include "cuda/fused/sequence.cuh"
 
 namespace attn::cuda {
-
-// Where one (sequence, head) lives in the packed tensors.
-struct SequenceView {
-  int64_t q_start, k_start;  // first token of the sequence
-  int seqlen_q, seqlen_k;
-};
-
-__device__ __forceinline__ SequenceView LoadSequence(const FusedForwardParams& p, int b) {
-  SequenceView s;
-  if (p.cu_seqlens_q != nullptr) {
-    s.q_start = p.cu_seqlens_q[b];
-    s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.k_start = p.cu_seqlens_k[b];
-    s.seqlen_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
-  } else {
-    s.q_start = static_cast<int64_t>(b) * p.seqlen_q;
-    s.seqlen_q = static_cast<int>(p.seqlen_q);
-    s.k_start = static_cast<int64_t>(b) * p.seqlen_k;
-    s.seqlen_k = static_cast<int>(p.seqlen_k);
-  }
-  return s;
-}
 
 struct RowKeys {
   int begin;  // first visible key
@@ -42,7 +21,7 @@ struct BlockMask {
   int window_left, window_right, seqlen_k;
   int n_block_min, n_block_max;  // K tiles [min, max) hold every key a row can see
 
-  __device__ __forceinline__ BlockMask(const FusedForwardParams& p, const SequenceView& seq,
+  __device__ __forceinline__ BlockMask(const FusedForwardParams& p, const SequenceView<int>& seq,
                                        int row0, int rows_in_block)
       : shift(seq.seqlen_k - seq.seqlen_q),
         first_row_pos(row0 + shift),

@@ -12,52 +12,29 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "attn/dtype.h"
 #include "attn/problem.h"
+#include "cuda/fused/fused_forward.h"
 
 namespace attn::cuda {
 
-struct FusedBackwardParams {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const void* o = nullptr;
+// The forward's params (Q, K, V, O and the LSE, now inputs; the sequences, heads, scale and
+// mask) and what only the backward reads or writes. max_seqlen_q and kernel are unused.
+struct FusedBackwardParams : FusedForwardParams {
   const void* d_o = nullptr;
-  const float* lse = nullptr;  // [num_heads, total_q]
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
-  int64_t q_token_stride = 0, q_head_stride = 0;
-  int64_t k_token_stride = 0, k_head_stride = 0;
-  int64_t v_token_stride = 0, v_head_stride = 0;
-  int64_t o_token_stride = 0, o_head_stride = 0;
   int64_t do_token_stride = 0, do_head_stride = 0;
   int64_t dq_token_stride = 0, dq_head_stride = 0;
   int64_t dk_token_stride = 0, dk_head_stride = 0;
   int64_t dv_token_stride = 0, dv_head_stride = 0;
-  int64_t total_q = 0;
-  // Device arrays of batch + 1 prefix sums, or both null for a uniform batch.
-  const int32_t* cu_seqlens_q = nullptr;
-  const int32_t* cu_seqlens_k = nullptr;
-  int64_t seqlen_q = 0;  // uniform batches
-  int64_t seqlen_k = 0;
   int64_t max_seqlen_k = 0;  // sizes the grid
-  int batch = 0;
-  int num_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  float scale = 0.f;
-  int window_left = -1;   // effective: negative = unbounded
-  int window_right = -1;  // effective: causal already folded in (0)
-  DType dtype = DType::kBF16;
   // Workspace (device, FusedBackwardWorkspaceBytes): D (padded to 16 bytes), then the dQ
   // accumulator.
   void* workspace = nullptr;
 };
 
-// OK when the fused backward covers the problem (float16 / bfloat16, head_dim 32, 64, 96 or
-// 128); UNIMPLEMENTED with the reason otherwise.
-absl::Status FusedBackwardSupports(const AttentionProblem& p);
+// Which problems it covers: FusedSupports(Pass::kBackward, p) in fused_support.h.
 
 // Device workspace the launch needs: float32 D [num_heads, total_q] and the float32 dQ
 // accumulator [total_q, num_heads, head_dim].

@@ -1,4 +1,4 @@
-// Supports() and the dtype x head_dim dispatch of the fused forward kernel.
+// The fused forward's launch checks, then the table's dispatch to the compiled instantiation.
 #include "cuda/fused/fused_forward.h"
 
 #include <cuda_runtime_api.h>
@@ -7,26 +7,22 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/common/alignment.h"
+#include "cuda/fused/capabilities.h"
 #include "cuda/fused/fused_forward_launch.h"
 
 namespace attn::cuda {
 namespace {
 
-bool HasFusedHeadDim(int head_dim) {
-  for (int d : kFusedHeadDims) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
-
 // Tiles move in 16-byte chunks: pointers and row strides must keep every row 16-byte aligned.
 absl::Status CheckAligned(const char* name, const void* data, int64_t token_stride,
                           int64_t head_stride) {
-  constexpr int64_t kElemsPer16Bytes = 8;  // 16-bit elements
-  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) {
+  constexpr int64_t kElementBytes = 2;  // 16-bit elements
+  if (!IsAligned16(data)) {
     return absl::UnimplementedError(absl::StrCat("cuda_fused: ", name, " is not 16-byte aligned"));
   }
-  if (token_stride % kElemsPer16Bytes != 0 || head_stride % kElemsPer16Bytes != 0) {
+  if (!StrideAligned16(token_stride, kElementBytes) ||
+      !StrideAligned16(head_stride, kElementBytes)) {
     return absl::UnimplementedError(absl::StrCat("cuda_fused: ", name,
                                                  " strides must be multiples of 8 elements (got ",
                                                  token_stride, ", ", head_stride, ")"));
@@ -34,41 +30,10 @@ absl::Status CheckAligned(const char* name, const void* data, int64_t token_stri
   return absl::OkStatus();
 }
 
-// Turns the runtime (dtype, head_dim) pair into the matching compiled instantiation.
-template <DType kDType>
-cudaError_t DispatchHeadDim(const FusedForwardParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 32:
-      return RunFusedForward<kDType, 32>(p, stream);
-    case 64:
-      return RunFusedForward<kDType, 64>(p, stream);
-    case 96:
-      return RunFusedForward<kDType, 96>(p, stream);
-    case 128:
-      return RunFusedForward<kDType, 128>(p, stream);
-    case 256:
-      return RunFusedForward<kDType, 256>(p, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
 }  // namespace
 
-absl::Status FusedForwardSupports(const AttentionProblem& p) {
-  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) {
-    return absl::UnimplementedError(absl::StrCat("cuda_fused: dtype ",
-                                                 std::string(DTypeName(p.dtype)),
-                                                 " is not covered (float16 and bfloat16 are)"));
-  }
-  if (!HasFusedHeadDim(p.head_dim)) {
-    return absl::UnimplementedError(absl::StrCat("cuda_fused: head_dim ", p.head_dim,
-                                                 " is not covered (32, 64, 96, 128, 256 are)"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status LaunchFusedForward(const FusedForwardParams& p, void* stream) {
-  if ((p.dtype != DType::kF16 && p.dtype != DType::kBF16) || !HasFusedHeadDim(p.head_dim)) {
+  if (!HasFusedKernel(Pass::kForward, p.dtype, p.head_dim)) {
     return absl::UnimplementedError(absl::StrCat("cuda_fused: no kernel for dtype ",
                                                  std::string(DTypeName(p.dtype)), " head_dim ",
                                                  p.head_dim));
@@ -88,8 +53,9 @@ absl::Status LaunchFusedForward(const FusedForwardParams& p, void* stream) {
   }
   if (p.batch == 0 || p.max_seqlen_q == 0) return absl::OkStatus();
   auto* s = static_cast<cudaStream_t>(stream);
-  const cudaError_t err = p.dtype == DType::kF16 ? DispatchHeadDim<DType::kF16>(p, s)
-                                                 : DispatchHeadDim<DType::kBF16>(p, s);
+  const cudaError_t err = DispatchFusedKernel<Pass::kForward>(
+      p.dtype, p.head_dim, cudaErrorInvalidValue,
+      [&]<DType kDType, int kHeadDim>() { return RunFusedForward<kDType, kHeadDim>(p, s); });
   if (err != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cuda_fused: kernel launch failed: ", cudaGetErrorString(err)));

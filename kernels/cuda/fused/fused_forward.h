@@ -6,7 +6,6 @@
 
 #include "absl/status/status.h"
 #include "attn/dtype.h"
-#include "attn/problem.h"
 
 namespace attn::cuda {
 
@@ -15,13 +14,15 @@ namespace attn::cuda {
 // Hopper too.
 enum class FusedKernel : uint8_t { kAuto, kPortable };
 
-// Plain kernel parameters: device pointers, strides in elements, sizes.
+// Plain kernel parameters: device pointers, strides in elements, sizes. The backward's params
+// extend these (fused_backward.h): both passes read Q, K, V and O this way and walk the same
+// sequences under the same mask.
 struct FusedForwardParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  void* o = nullptr;
-  float* lse = nullptr;  // [num_heads, total_q]; null = not stored
+  void* o = nullptr;     // the forward's output, the backward's input
+  float* lse = nullptr;  // [num_heads, total_q]; forward: null = not stored
   int64_t q_token_stride = 0, q_head_stride = 0;
   int64_t k_token_stride = 0, k_head_stride = 0;
   int64_t v_token_stride = 0, v_head_stride = 0;
@@ -45,9 +46,7 @@ struct FusedForwardParams {
   FusedKernel kernel = FusedKernel::kAuto;
 };
 
-// OK when the fused kernel covers the problem (dtype, head_dim); UNIMPLEMENTED with the reason
-// otherwise.
-absl::Status FusedForwardSupports(const AttentionProblem& p);
+// Which problems it covers: FusedSupports(Pass::kForward, p) in fused_support.h.
 
 // Checks alignment of pointers and strides (16-byte vector access) and launches.
 absl::Status LaunchFusedForward(const FusedForwardParams& params, void* stream);

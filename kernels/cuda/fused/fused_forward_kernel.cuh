@@ -20,6 +20,7 @@
 #include "cuda/fused/kernel_traits.h"
 #include "cuda/fused/online_softmax.cuh"
 #include "cuda/fused/ptx.cuh"
+#include "cuda/fused/query_block.cuh"
 
 namespace attn::cuda {
 
@@ -52,15 +53,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
   constexpr int kDTiles = Traits::kDTiles;
   constexpr int kPitch = Traits::kRowPitch;
 
-  // Heavy causal blocks (late query rows) are scheduled first to shorten the tail.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SequenceView seq = LoadSequence(p, batch);
-  const int row0 = m_block * kBlockM;
-  if (row0 >= seq.seqlen_q) return;
-  const int rows_in_block = min(kBlockM, seq.seqlen_q - row0);
-  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+  const QueryBlock<kBlockM> block(p);
+  if (block.empty()) return;
+  const SequenceView<int>& seq = block.seq;
+  const int row0 = block.row0;
+  const int rows_in_block = block.rows();
+  const int kv_head = block.kv_head(p);
 
   const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
   const int n_block_min = mask.n_block_min;
@@ -76,12 +74,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
   Element* sK = reinterpret_cast<Element*>(smem + Traits::kQTileBytes);
   Element* sV = reinterpret_cast<Element*>(smem + Traits::kQTileBytes + Traits::kKVTileBytes);
 
-  const Element* q = static_cast<const Element*>(p.q) + (seq.q_start + row0) * p.q_token_stride +
-                     head * p.q_head_stride;
-  const Element* k =
-      static_cast<const Element*>(p.k) + seq.k_start * p.k_token_stride + kv_head * p.k_head_stride;
-  const Element* v =
-      static_cast<const Element*>(p.v) + seq.k_start * p.v_token_stride + kv_head * p.v_head_stride;
+  const Element* q = block.template q<Element>(p);
+  const Element* k = block.template k<Element>(p, kv_head);
+  const Element* v = block.template v<Element>(p, kv_head);
 
   // The visible key range of each of the 2 * kMTiles rows this thread holds.
   RowKeys row_keys[2 * kMTiles];
@@ -205,14 +200,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
 
   // Epilogue: O = acc / l (0 for rows that saw no key), staged through the Q tile.
   __syncthreads();  // every warp is done with sQ and sV
-  float* lse = p.lse == nullptr ? nullptr : p.lse + head * p.total_q + seq.q_start + row0;
+  float* lse = block.lse(p);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = mi * 2 + half;
       const float l = QuadSum(softmax.l[r]);
-      const float inv_l = l == 0.f ? 0.f : 1.f / l;
+      const float inv_l = InverseRowSum(l);
       const int local_row = warp * Traits::kRowsPerWarp + mi * 16 + half * 8 + quad_row;
 #pragma unroll
       for (int dj = 0; dj < kDTiles; ++dj) {
@@ -221,13 +216,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 2)
                                    acc[mi][dj][2 * half + 1] * inv_l);
       }
       if (lse != nullptr && quad_col == 0 && local_row < rows_in_block) {
-        lse[local_row] = l == 0.f ? -INFINITY : softmax.m[r] * p.scale + logf(l);
+        lse[local_row] = RowLse(softmax.m[r], l, p.scale);
       }
     }
   }
   __syncthreads();
-  Element* o =
-      static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride + head * p.o_head_stride;
+  Element* o = static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
+               block.head * p.o_head_stride;
   constexpr int kElemsPerChunk = 16 / sizeof(Element);
 #pragma unroll
   for (int c = threadIdx.x; c < kBlockM * Traits::kChunksPerRow; c += Traits::kThreads) {

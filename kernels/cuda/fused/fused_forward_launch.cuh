@@ -1,11 +1,14 @@
-// Grid, shared-memory opt-in and launch of one fused-forward instantiation, and the choice
-// between the Hopper (wgmma) kernel and the portable (mma.sync) one.
+// Grid and launch of one fused-forward instantiation, and the choice between the Hopper (wgmma)
+// kernel and the portable (mma.sync) one. Included by the generated instantiation files.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
 
+#include "cuda/common/element_convert.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/fused/capabilities.h"
 #include "cuda/fused/fused_forward_kernel.cuh"
 #include "cuda/fused/fused_forward_launch.h"
 #include "cuda/fused/fused_forward_sm90_kernel.cuh"
@@ -13,44 +16,13 @@
 
 namespace attn::cuda {
 
-template <DType kDType>
-struct ElementOf;
-template <>
-struct ElementOf<DType::kF16> {
-  using type = __half;
-};
-template <>
-struct ElementOf<DType::kBF16> {
-  using type = __nv_bfloat16;
-};
-
-template <typename Kernel>
-cudaError_t LaunchWithSmem(Kernel kernel, dim3 grid, int threads, int smem_bytes,
-                           const FusedForwardParams& params, cudaStream_t stream) {
-  // Above 48 KiB a kernel must opt in to its dynamic shared memory; the attribute is per
-  // function and cheap to set again.
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (err != cudaSuccess) return err;
-  if (grid.x == 0) return cudaSuccess;
-  kernel<<<grid, threads, smem_bytes, stream>>>(params);
-  return cudaGetLastError();
-}
-
+// One CTA per (query block, head, sequence); see QueryBlock for the order blocks run in.
 template <typename Traits>
-cudaError_t LaunchFusedForwardKernel(const FusedForwardParams& params, cudaStream_t stream) {
+cudaError_t LaunchQueryBlocks(void (*kernel)(FusedForwardParams), const FusedForwardParams& params,
+                              cudaStream_t stream) {
   const dim3 grid((params.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.num_heads,
                   params.batch);
-  return LaunchWithSmem(&FusedForwardKernel<Traits>, grid, Traits::kThreads, Traits::kSmemBytes,
-                        params, stream);
-}
-
-template <typename Traits>
-cudaError_t LaunchFusedForwardSm90Kernel(const FusedForwardParams& params, cudaStream_t stream) {
-  const dim3 grid((params.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.num_heads,
-                  params.batch);
-  return LaunchWithSmem(&FusedForwardSm90Kernel<Traits>, grid, Traits::kThreads, Traits::kSmemBytes,
-                        params, stream);
+  return LaunchWithSharedMemory(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
 // True when the current device runs sm_90a machine code of this kernel: a Hopper GPU and a
@@ -80,15 +52,16 @@ bool Sm90KernelUsable() {
 template <DType kDType, int kHeadDim>
 cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  if constexpr (HasSm90FusedForward(kHeadDim)) {
+  if constexpr (HasFusedKernel(Pass::kForward, kDType, kHeadDim, kSm90a)) {
     constexpr Sm90TileShape kShape = Sm90FusedTileShape(kHeadDim);
     using Sm90Traits =
         FusedForwardSm90Traits<Element, kHeadDim, kShape.block_n, kShape.ctas_per_sm>;
     if (params.kernel == FusedKernel::kAuto && Sm90KernelUsable<Sm90Traits>()) {
-      return LaunchFusedForwardSm90Kernel<Sm90Traits>(params, stream);
+      return LaunchQueryBlocks<Sm90Traits>(&FusedForwardSm90Kernel<Sm90Traits>, params, stream);
     }
   }
-  return LaunchFusedForwardKernel<FusedForwardTraits<Element, kHeadDim>>(params, stream);
+  using Traits = FusedForwardTraits<Element, kHeadDim>;
+  return LaunchQueryBlocks<Traits>(&FusedForwardKernel<Traits>, params, stream);
 }
 
 }  // namespace attn::cuda

@@ -1,5 +1,5 @@
-// Per-instantiation entry points of the fused forward kernel (one .cu each, under
-// instantiations/), called by the dispatch in fused_forward.cc.
+// Per-row entry points of the fused forward kernel: one generated .cu per forward row of the
+// table (capabilities.h) defines RunFusedForward<dtype, head_dim>; fused_forward.cc calls it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,9 +8,6 @@
 #include "cuda/fused/fused_forward.h"
 
 namespace attn::cuda {
-
-// Head dimensions with a compiled kernel; others go to the naive path.
-inline constexpr int kFusedHeadDims[] = {32, 64, 96, 128, 256};
 
 template <DType kDType, int kHeadDim>
 cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream);

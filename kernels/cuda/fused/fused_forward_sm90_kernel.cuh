@@ -18,6 +18,7 @@
 #include "cuda/fused/fused_forward_kernel.cuh"
 #include "cuda/fused/online_softmax.cuh"
 #include "cuda/fused/ptx.cuh"
+#include "cuda/fused/query_block.cuh"
 #include "cuda/fused/wgmma.cuh"
 
 namespace attn::cuda {
@@ -76,13 +77,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
   constexpr int kDTiles = Traits::kDTiles;
   constexpr int kThreads = Traits::kThreads;
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // heavy causal blocks first
-  const int head = blockIdx.y;
-  const SequenceView seq = LoadSequence(p, blockIdx.z);
-  const int row0 = m_block * kBlockM;
-  if (row0 >= seq.seqlen_q) return;
-  const int rows_in_block = min(kBlockM, seq.seqlen_q - row0);
-  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+  const QueryBlock<kBlockM> block(p);
+  if (block.empty()) return;
+  const SequenceView<int>& seq = block.seq;
+  const int row0 = block.row0;
+  const int rows_in_block = block.rows();
+  const int kv_head = block.kv_head(p);
 
   const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
   const int n_block_min = mask.n_block_min;
@@ -101,12 +101,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
   unsigned char* sK = sQ + Traits::kQTileBytes;                             // 2 stages
   unsigned char* sV = sQ + Traits::kQTileBytes + 2 * Traits::kKVTileBytes;  // 2 stages
 
-  const Element* q = static_cast<const Element*>(p.q) + (seq.q_start + row0) * p.q_token_stride +
-                     head * p.q_head_stride;
-  const Element* k =
-      static_cast<const Element*>(p.k) + seq.k_start * p.k_token_stride + kv_head * p.k_head_stride;
-  const Element* v =
-      static_cast<const Element*>(p.v) + seq.k_start * p.v_token_stride + kv_head * p.v_head_stride;
+  const Element* q = block.template q<Element>(p);
+  const Element* k = block.template k<Element>(p, kv_head);
+  const Element* v = block.template v<Element>(p, kv_head);
   auto load_kv = [&](int n_block, int stage) {
     const int key0 = n_block * kBlockN;
     LoadSwizzledTileAsync<kBlockN, kHeadDim, kThreads>(
@@ -217,11 +214,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
 
   // Epilogue: O = acc / l (0 for rows that saw no key), staged through the Q tile.
   __syncthreads();
-  float* lse = p.lse == nullptr ? nullptr : p.lse + head * p.total_q + seq.q_start + row0;
+  float* lse = block.lse(p);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float l = QuadSum(softmax.l[half]);
-    const float inv_l = l == 0.f ? 0.f : 1.f / l;
+    const float inv_l = InverseRowSum(l);
     const int row = local_row + half * 8;
 #pragma unroll
     for (int dj = 0; dj < kDTiles; ++dj) {
@@ -230,12 +227,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
           ptx::PackPair<Element>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
     }
     if (lse != nullptr && quad_col == 0 && row < rows_in_block) {
-      lse[row] = l == 0.f ? -INFINITY : softmax.m[half] * p.scale + logf(l);
+      lse[row] = RowLse(softmax.m[half], l, p.scale);
     }
   }
   __syncthreads();
-  Element* o =
-      static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride + head * p.o_head_stride;
+  Element* o = static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
+               block.head * p.o_head_stride;
   constexpr int kChunksPerRow = kHeadDim / 8;
 #pragma unroll
   for (int i = 0; i < kBlockM * kChunksPerRow / kThreads; ++i) {

@@ -20,10 +20,8 @@ constexpr FusedTileShape FusedForwardTileShape(int head_dim) {
   return {64, 64, 4};  // 256: 128 accumulators per thread already
 }
 
-// Head dims with a Hopper (wgmma) kernel; on sm_90 GPUs they run it instead of the tiles above.
-constexpr bool HasSm90FusedForward(int head_dim) { return head_dim == 64 || head_dim == 128; }
-
-// The Hopper kernel's tiles (its 128 query rows are fixed: two warpgroups of 64).
+// The Hopper kernel's tiles, for the head dims the table gives it (capabilities.h); its 128
+// query rows are fixed: two warpgroups of 64.
 struct Sm90TileShape {
   int block_n;      // keys per K/V tile
   int ctas_per_sm;  // resident CTAs the register budget is sized for

@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/status_macros.h"
+#include "cuda/common/alignment.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_buffer.h"
-#include "cuda/common/dispatch.h"
 #include "cuda/naive/naive_backward_kernels.h"
 #include "cuda/naive/naive_kernels.h"
 #include "cuda/naive/sequence_runs.h"
@@ -25,6 +25,7 @@ using naive::kAlign;
 using naive::kDeviceHeadroom;
 using naive::MatrixFloats;
 using naive::RoundUp;
+using naive::RunGeometry;
 using naive::SequenceRun;
 using naive::SplitRuns;
 
@@ -161,20 +162,12 @@ class BackwardRunner {
     view.k = args_.k;
     view.v = args_.v;
     view.o = args_.dq;
-    const bool aligned = d % 4 == 0 && CheckFusedAlignment(p_, view).ok() &&
-                         CheckFusedAlignment(p_, ForwardArgs{args_.d_o, args_.k, args_.v, args_.dq,
-                                                             nullptr, nullptr})
-                             .ok();
+    const bool aligned =
+        d % 4 == 0 && CheckRowsAligned16(p_, view).ok() &&
+        CheckRowsAligned16(p_, ForwardArgs{args_.d_o, args_.k, args_.v, args_.dq, nullptr, nullptr})
+            .ok();
 
-    ChunkGeometry g;
-    g.lq = run.lq;
-    g.lk = run.lk;
-    g.num_heads = p_.num_heads;
-    g.group_size = p_.group_size();
-    g.q_begin = p_.cu_seqlens_q[run.first_sequence];
-    g.k_begin = p_.cu_seqlens_k[run.first_sequence];
-    g.s = s_region;
-    g.s_matrix_stride = MatrixFloats(run);
+    ChunkGeometry g = RunGeometry(p_, run, s_region);
     for (int64_t m0 = 0; m0 < matrices; m0 += capacity) {
       g.m0 = m0;
       g.count = std::min(capacity, matrices - m0);

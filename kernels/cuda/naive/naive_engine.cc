@@ -10,9 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "attn/status_macros.h"
+#include "cuda/common/alignment.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_buffer.h"
-#include "cuda/common/dispatch.h"
 #include "cuda/common/workspace_pool.h"
 #include "cuda/naive/naive_backward.h"
 #include "cuda/naive/naive_kernels.h"
@@ -50,6 +50,18 @@ cudaDataType CudaType(DType t) {
   return CUDA_R_32F;
 }
 
+// RESOURCE_EXHAUSTED when the smallest workspace of the forward exceeds the limit.
+absl::Status CheckLimit(const AttentionProblem& p, const NaiveWorkspace& need, int64_t limit) {
+  if (need.min_bytes > limit) {
+    const int64_t lq = p.max_seqlen_q(), lk = p.max_seqlen_k();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda_naive: needs at least ", need.min_bytes,
+                     " bytes of device workspace (one head's float32 score matrix, up to ", lq,
+                     " x ", lk, "), more than workspace_limit_bytes = ", limit));
+  }
+  return absl::OkStatus();
+}
+
 class CudaNaiveEngine final : public Engine {
  public:
   CudaNaiveEngine(const EngineOptions& options, cublasHandle_t cublas)
@@ -62,20 +74,11 @@ class CudaNaiveEngine final : public Engine {
   EngineKind kind() const override { return EngineKind::kCudaNaive; }
   MemorySpace memory_space() const override { return MemorySpace::kDevice; }
 
-  absl::Status SupportsForward(const AttentionProblem& p) const override {
-    ATTN_RETURN_IF_ERROR(ValidateProblem(p));
-    return CheckLimit(p, NaiveWorkspaceBytes(p));
+  Support SupportsForward(const AttentionProblem& p) const override {
+    return NaiveSupports(Pass::kForward, p, options_.workspace_limit_bytes);
   }
-  absl::Status SupportsBackward(const AttentionProblem& p) const override {
-    ATTN_RETURN_IF_ERROR(ValidateProblem(p));
-    const NaiveBackwardWorkspace need = NaiveBackwardWorkspaceBytes(p);
-    if (need.min_bytes > options_.workspace_limit_bytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cuda_naive backward: needs at least ", need.min_bytes,
-                       " bytes of device workspace, more than workspace_limit_bytes = ",
-                       options_.workspace_limit_bytes));
-    }
-    return absl::OkStatus();
+  Support SupportsBackward(const AttentionProblem& p) const override {
+    return NaiveSupports(Pass::kBackward, p, options_.workspace_limit_bytes);
   }
   absl::Status Backward(const AttentionProblem& p, const BackwardArgs& args) override {
     ATTN_RETURN_IF_ERROR(ValidateBackward(p, args));
@@ -87,21 +90,10 @@ class CudaNaiveEngine final : public Engine {
   absl::Status Forward(const AttentionProblem& p, const ForwardArgs& args) override;
 
  private:
-  absl::Status CheckLimit(const AttentionProblem& p, const NaiveWorkspace& need) const {
-    if (need.min_bytes > options_.workspace_limit_bytes) {
-      const int64_t lq = p.max_seqlen_q(), lk = p.max_seqlen_k();
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cuda_naive: needs at least ", need.min_bytes,
-          " bytes of device workspace (one head's float32 score matrix, up to ", lq, " x ", lk,
-          "), more than workspace_limit_bytes = ", options_.workspace_limit_bytes));
-    }
-    return absl::OkStatus();
-  }
-
   // Workspace bytes to hold: as much of the full need as the limit and the device allow.
   absl::StatusOr<int64_t> ChooseWorkspaceBytes(const AttentionProblem& p,
                                                const NaiveWorkspace& need) {
-    ATTN_RETURN_IF_ERROR(CheckLimit(p, need));
+    ATTN_RETURN_IF_ERROR(CheckLimit(p, need, options_.workspace_limit_bytes));
     int64_t bytes = std::min(need.full_bytes, options_.workspace_limit_bytes);
     if (bytes <= static_cast<int64_t>(pool_.capacity())) return bytes;
     ATTN_ASSIGN_OR_RETURN(const size_t available, pool_.AvailableBytes());
@@ -133,7 +125,7 @@ absl::Status CudaNaiveEngine::Forward(const AttentionProblem& p, const ForwardAr
   ATTN_RETURN_IF_ERROR(ValidateForward(p, args));
   if (p.total_q() == 0) return absl::OkStatus();
   const NaiveWorkspace need = NaiveWorkspaceBytes(p);
-  ATTN_RETURN_IF_ERROR(CheckLimit(p, need));
+  ATTN_RETURN_IF_ERROR(CheckLimit(p, need, options_.workspace_limit_bytes));
 
   ScopedDevice device(options_.device);
   ATTN_RETURN_IF_ERROR(device.status());
@@ -205,18 +197,10 @@ absl::Status CudaNaiveEngine::RunChunks(const AttentionProblem& p, const Forward
   const cudaDataType type = CudaType(p.dtype);
   const float scale = p.scale(), one = 1.f, zero = 0.f;
 
-  naive::ChunkGeometry g;
-  g.lq = run.lq;
-  g.lk = run.lk;
-  g.num_heads = p.num_heads;
-  g.group_size = p.group_size();
-  g.q_begin = p.cu_seqlens_q[run.first_sequence];
-  g.k_begin = p.cu_seqlens_k[run.first_sequence];
-  g.s = scores;
-  g.s_matrix_stride = MatrixFloats(run);
+  naive::ChunkGeometry g = naive::RunGeometry(p, run, scores);
   // cuBLAS cannot see the alignment of matrices behind pointer arrays; unless every matrix
   // starts 16-byte aligned, each product is issued on its own and cuBLAS checks its pointers.
-  const bool aligned = CheckFusedAlignment(p, args).ok();
+  const bool aligned = CheckRowsAligned16(p, args).ok();
   for (int64_t m0 = 0; m0 < matrices; m0 += capacity) {
     g.m0 = m0;
     g.count = std::min(capacity, matrices - m0);
@@ -299,12 +283,23 @@ NaiveWorkspace NaiveWorkspaceBytes(const AttentionProblem& p) {
   return need;
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> MakeNaiveEngine(const EngineOptions& options) {
-  ATTN_ASSIGN_OR_RETURN(const int devices, CountDevices());
-  if (options.device < 0 || options.device >= devices) {
-    return absl::UnavailableError(absl::StrCat("cuda_naive: device ", options.device,
-                                               " does not exist (", devices, " devices)"));
+Support NaiveSupports(Pass pass, const AttentionProblem& p, int64_t workspace_limit_bytes) {
+  if (Support valid = ValidProblemSupport(p); !valid.ok()) return valid;
+  absl::Status fits;
+  if (pass == Pass::kForward) {
+    fits = CheckLimit(p, NaiveWorkspaceBytes(p), workspace_limit_bytes);
+  } else if (const NaiveBackwardWorkspace need = NaiveBackwardWorkspaceBytes(p);
+             need.min_bytes > workspace_limit_bytes) {
+    fits = absl::ResourceExhaustedError(absl::StrCat(
+        "cuda_naive backward: needs at least ", need.min_bytes,
+        " bytes of device workspace, more than workspace_limit_bytes = ", workspace_limit_bytes));
   }
+  if (!fits.ok()) return Support(Refusal::kTooLarge, std::move(fits));
+  return Support();
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeNaiveEngine(const EngineOptions& options) {
+  ATTN_RETURN_IF_ERROR(CheckDevice("cuda_naive", options.device));
   ScopedDevice device(options.device);
   ATTN_RETURN_IF_ERROR(device.status());
   cublasHandle_t handle = nullptr;

@@ -20,6 +20,11 @@ struct NaiveWorkspace {
 };
 NaiveWorkspace NaiveWorkspaceBytes(const AttentionProblem& p);
 
+// Yes for every valid problem whose smallest workspace fits `workspace_limit_bytes`
+// (EngineOptions); otherwise kInvalidProblem, or kTooLarge with RESOURCE_EXHAUSTED naming the
+// sizes.
+Support NaiveSupports(Pass pass, const AttentionProblem& p, int64_t workspace_limit_bytes);
+
 // UNAVAILABLE when there is no usable device.
 absl::StatusOr<std::unique_ptr<Engine>> MakeNaiveEngine(const EngineOptions& options);
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attn/problem.h"
+#include "cuda/naive/naive_kernels.h"
 
 namespace attn::cuda::naive {
 
@@ -39,6 +40,21 @@ inline std::vector<SequenceRun> SplitRuns(const AttentionProblem& p) {
 // Floats of one (sequence, head) score matrix, padded to keep the next one aligned.
 inline int64_t MatrixFloats(const SequenceRun& r) {
   return RoundUp(r.lq * r.lk, kMatrixAlignFloats);
+}
+
+// The chunk geometry of a run, with its score matrices at `scores`; each chunk then sets m0 and
+// count.
+inline ChunkGeometry RunGeometry(const AttentionProblem& p, const SequenceRun& run, float* scores) {
+  ChunkGeometry g;
+  g.lq = run.lq;
+  g.lk = run.lk;
+  g.num_heads = p.num_heads;
+  g.group_size = p.group_size();
+  g.q_begin = p.cu_seqlens_q[run.first_sequence];
+  g.k_begin = p.cu_seqlens_k[run.first_sequence];
+  g.s = scores;
+  g.s_matrix_stride = MatrixFloats(run);
+  return g;
 }
 
 }  // namespace attn::cuda::naive

@@ -1,0 +1,36 @@
+// The words kernel coverage is written in: a pass, and which (dtype, head_dim) a compiled kernel
+// serves on which architectures. The fused kernels' table (cuda/fused/capabilities.h) is a list
+// of FusedCapability rows; FusedCapabilities() in engine.h hands it to callers such as the
+// server, which must not reach into cuda/.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "attn/dtype.h"
+
+namespace attn {
+
+enum class Pass : uint8_t { kForward, kBackward };
+
+constexpr std::string_view PassName(Pass pass) {
+  return pass == Pass::kForward ? "forward" : "backward";
+}
+
+// The instruction sets a row has kernels for, as bits of FusedCapability::archs.
+struct FusedArch {
+  // mma.sync: compiled for every target of the build; runs on sm_80 and later.
+  static constexpr uint8_t kSm80 = 1 << 0;
+  // Warpgroup MMA (wgmma) as well: Hopper only, used where the build holds sm_90a code.
+  static constexpr uint8_t kSm90a = 1 << 1;
+};
+
+// One compiled (pass, dtype, head_dim) of the fused kernels.
+struct FusedCapability {
+  Pass pass;
+  DType dtype;
+  int head_dim;
+  uint8_t archs;  // FusedArch bits
+};
+
+}  // namespace attn

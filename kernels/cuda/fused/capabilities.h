@@ -1,0 +1,96 @@
+// What the fused kernels cover: the one table. Everything else that names a covered dtype,
+// head_dim or architecture reads it:
+//   - CMake generates one instantiation file per row (kernels/cuda/fused/CMakeLists.txt reads
+//     the rows below as text: keep one row a line, in this form);
+//   - DispatchFusedKernel turns a runtime (dtype, head_dim) into the row's compiled kernel;
+//   - FusedSupports and its messages (fused_support.cc);
+//   - FusedCapabilities() (attn/engine.h), which the server's GetServerInfo lists.
+// Plain C++ without CUDA types, so that CPU-only builds answer FusedCapabilities() too.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <type_traits>
+#include <utility>
+
+#include "attn/capability.h"
+
+namespace attn::cuda {
+
+inline constexpr uint8_t kSm80 = FusedArch::kSm80;
+inline constexpr uint8_t kSm90a = FusedArch::kSm90a;
+
+// The wgmma kernel exists for head_dim 64 and 128 (FusedForwardSm90Traits); the backward is
+// mma.sync only.
+// clang-format off
+inline constexpr FusedCapability kFusedKernels[] = {
+    // pass           dtype         head_dim  archs
+    {Pass::kForward,  DType::kF16,   32,      kSm80},
+    {Pass::kForward,  DType::kF16,   64,      kSm80 | kSm90a},
+    {Pass::kForward,  DType::kF16,   96,      kSm80},
+    {Pass::kForward,  DType::kF16,   128,     kSm80 | kSm90a},
+    {Pass::kForward,  DType::kF16,   256,     kSm80},
+    {Pass::kForward,  DType::kBF16,  32,      kSm80},
+    {Pass::kForward,  DType::kBF16,  64,      kSm80 | kSm90a},
+    {Pass::kForward,  DType::kBF16,  96,      kSm80},
+    {Pass::kForward,  DType::kBF16,  128,     kSm80 | kSm90a},
+    {Pass::kForward,  DType::kBF16,  256,     kSm80},
+    {Pass::kBackward, DType::kF16,   32,      kSm80},
+    {Pass::kBackward, DType::kF16,   64,      kSm80},
+    {Pass::kBackward, DType::kF16,   96,      kSm80},
+    {Pass::kBackward, DType::kF16,   128,     kSm80},
+    {Pass::kBackward, DType::kBF16,  32,      kSm80},
+    {Pass::kBackward, DType::kBF16,  64,      kSm80},
+    {Pass::kBackward, DType::kBF16,  96,      kSm80},
+    {Pass::kBackward, DType::kBF16,  128,     kSm80},
+};
+// clang-format on
+
+// The row of (pass, dtype, head_dim), or null when no kernel is compiled for it.
+constexpr const FusedCapability* FindFusedKernel(Pass pass, DType dtype, int head_dim) {
+  for (const FusedCapability& row : kFusedKernels) {
+    if (row.pass == pass && row.dtype == dtype && row.head_dim == head_dim) return &row;
+  }
+  return nullptr;
+}
+
+// True when (pass, dtype, head_dim) has a kernel for `arch` (kSm80: the portable one).
+constexpr bool HasFusedKernel(Pass pass, DType dtype, int head_dim, uint8_t arch = kSm80) {
+  const FusedCapability* row = FindFusedKernel(pass, dtype, head_dim);
+  return row != nullptr && (row->archs & arch) != 0;
+}
+
+// True when some head_dim of `pass` has a kernel at `dtype`.
+constexpr bool HasFusedDType(Pass pass, DType dtype) {
+  for (const FusedCapability& row : kFusedKernels) {
+    if (row.pass == pass && row.dtype == dtype) return true;
+  }
+  return false;
+}
+
+// The one switch from runtime shape to template arguments: calls
+// `launch.template operator()<dtype, head_dim>()` for the row of kPass matching (dtype,
+// head_dim) and returns its result, or `missing` when no row matches. Each row's call is
+// instantiated, so every row's kernel must be defined (its generated instantiation file).
+template <Pass kPass, typename Result, typename Launch>
+Result DispatchFusedKernel(DType dtype, int head_dim, Result missing, Launch&& launch) {
+  Result result = missing;
+  const auto try_row = [&]<size_t kRow>(std::integral_constant<size_t, kRow>) {
+    constexpr FusedCapability kEntry = kFusedKernels[kRow];
+    if constexpr (kEntry.pass == kPass) {
+      if (kEntry.dtype == dtype && kEntry.head_dim == head_dim) {
+        result = launch.template operator()<kEntry.dtype, kEntry.head_dim>();
+        return true;
+      }
+    }
+    return false;
+  };
+  [&]<size_t... kRows>(std::index_sequence<kRows...>) {
+    (try_row(std::integral_constant<size_t, kRows>{}) || ...);
+  }
+  (std::make_index_sequence<std::size(kFusedKernels)>{});
+  return result;
+}
+
+}  // namespace attn::cuda

@@ -1,5 +1,0 @@
-#include "cuda/fused/fused_forward_launch.cuh"
-
-namespace attn::cuda {
-template cudaError_t RunFusedForward<DType::kF16, 64>(const FusedForwardParams&, cudaStream_t);
-}  // namespace attn::cuda
