@@ -8,6 +8,7 @@
 #include "attn/status_macros.h"
 #include "server/grpc_status.h"
 #include "server/logging.h"
+#include "server/response_writer.h"
 
 namespace attnserve {
 namespace {
@@ -146,11 +147,11 @@ bool AttentionService::AwaitNoCalls(absl::Time deadline) {
 }
 
 absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
-    const DecodedRequest& request) {
+    const attn::AttentionProblem& problem, v1::Path path, bool backward) {
   absl::Status last = absl::InvalidArgumentError(
-      absl::StrCat("path: ", v1::Path_Name(request.path), " is not available on this server"));
+      absl::StrCat("path: ", v1::Path_Name(path), " is not available on this server"));
   // For the metrics: why the chosen engine, when AUTO passed over a GPU engine or had none.
-  const bool automatic = request.path == v1::PATH_AUTO;
+  const bool automatic = path == v1::PATH_AUTO;
   Metrics::PathReason reason = Metrics::PathReason::kNoGpu;
   bool refused = false;
   for (attn::EngineKind kind : kinds_) {
@@ -158,11 +159,11 @@ absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
       reason = Metrics::PathReason::kAuto;
     }
   }
-  const attn::Pass pass = request.backward ? attn::Pass::kBackward : attn::Pass::kForward;
+  const attn::Pass pass = backward ? attn::Pass::kBackward : attn::Pass::kForward;
   for (size_t i = 0; i < kinds_.size(); ++i) {
-    if (!PathRuns(request.path, kinds_[i])) continue;
+    if (!PathRuns(path, kinds_[i])) continue;
     const attn::Support support =
-        attn::EngineSupports(kinds_[i], pass, request.problem, options_.engine_options);
+        attn::EngineSupports(kinds_[i], pass, problem, options_.engine_options);
     if (support.ok()) {
       return EngineChoice{static_cast<int>(i),
                           automatic ? reason : Metrics::PathReason::kRequested};
@@ -188,11 +189,24 @@ absl::Status AttentionService::Admit(Metrics::Method method, const Identity& cal
   if (draining_.load()) {
     return absl::UnavailableError("server: shutting down, not accepting requests");
   }
-  absl::StatusOr<DecodedRequest> decoded =
-      DecodeAttendRequest(request, options_.limits, ScopeOf(caller));
+  const SharedMemoryScope scope(&shared_memory_, caller);
+  absl::StatusOr<DecodedForward> decoded =
+      DecodeAttendRequest(request, options_.limits, shared_memory_enabled() ? &scope : nullptr);
   if (!decoded.ok()) return decoded.status();
-  return Submit(method, *std::move(decoded), response, nullptr, deadline, std::move(cancelled),
-                std::move(done));
+  auto work = std::make_unique<ForwardWork>();
+  work->request = *std::move(decoded);
+  const attn::AttentionProblem& problem = work->request.problem;
+  ATTN_ASSIGN_OR_RETURN(const EngineChoice engine,
+                        ChooseEngine(problem, work->request.path, /*backward=*/false));
+  work->batch = BatchKey::Of(engine.index, problem);
+  work->tokens = work->request.tokens();
+  work->bytes = WorkingSetBytes(problem);
+  BindOutputs(work.get(), response);
+  work->done = [response, done = std::move(done)](const absl::Status& s, const Work& w) {
+    if (s.ok()) FillResponse(static_cast<const ForwardWork&>(w), response);
+    done(s);
+  };
+  return Submit(method, engine, deadline, std::move(cancelled), std::move(work));
 }
 
 absl::Status AttentionService::AdmitBackward(const Identity& caller,
@@ -201,34 +215,37 @@ absl::Status AttentionService::AdmitBackward(const Identity& caller,
                                              absl::Time deadline,
                                              std::shared_ptr<const std::atomic<bool>> cancelled,
                                              std::function<void(const absl::Status&)> done) {
-  absl::StatusOr<DecodedRequest> decoded =
-      DecodeAttendBackwardRequest(request, options_.limits, ScopeOf(caller));
+  const SharedMemoryScope scope(&shared_memory_, caller);
+  absl::StatusOr<DecodedBackward> decoded = DecodeAttendBackwardRequest(
+      request, options_.limits, shared_memory_enabled() ? &scope : nullptr);
   if (!decoded.ok()) return decoded.status();
-  return Submit(Metrics::Method::kAttendBackward, *std::move(decoded), nullptr, response, deadline,
-                std::move(cancelled), std::move(done));
+  auto work = std::make_unique<BackwardWork>();
+  work->request = *std::move(decoded);
+  const attn::AttentionProblem& problem = work->request.problem();
+  ATTN_ASSIGN_OR_RETURN(const EngineChoice engine,
+                        ChooseEngine(problem, work->request.forward.path, /*backward=*/true));
+  work->tokens = work->request.forward.tokens();
+  work->bytes = BackwardWorkingSetBytes(problem);
+  BindOutputs(work.get(), response);
+  work->done = [response, done = std::move(done)](const absl::Status& s, const Work& w) {
+    if (s.ok()) FillResponse(static_cast<const BackwardWork&>(w), response);
+    done(s);
+  };
+  return Submit(Metrics::Method::kAttendBackward, engine, deadline, std::move(cancelled),
+                std::move(work));
 }
 
-absl::Status AttentionService::Submit(Metrics::Method method, DecodedRequest request,
-                                      v1::AttendResponse* response,
-                                      v1::AttendBackwardResponse* backward_response,
+absl::Status AttentionService::Submit(Metrics::Method method, const EngineChoice& engine,
                                       absl::Time deadline,
                                       std::shared_ptr<const std::atomic<bool>> cancelled,
-                                      std::function<void(const absl::Status&)> done) {
-  absl::StatusOr<EngineChoice> engine = ChooseEngine(request);
-  if (!engine.ok()) return engine.status();
-
-  auto item = std::make_unique<WorkItem>();
-  item->request = std::move(request);
-  item->engine = engine->index;
-  item->method = method;
-  item->path_reason = engine->reason;
-  item->response = response;
-  item->backward_response = backward_response;
-  item->accepted = absl::Now();
-  item->deadline = deadline;
-  item->cancelled = std::move(cancelled);
-  item->done = std::move(done);
-  if (absl::Status s = batcher_->Submit(std::move(item)); !s.ok()) return s;
+                                      std::unique_ptr<Work> work) {
+  work->engine = engine.index;
+  work->method = method;
+  work->path_reason = engine.reason;
+  work->accepted = absl::Now();
+  work->deadline = deadline;
+  work->cancelled = std::move(cancelled);
+  if (absl::Status s = batcher_->Submit(std::move(work)); !s.ok()) return s;
   metrics_->OnAccepted();
   return absl::OkStatus();
 }

@@ -1,7 +1,8 @@
 // The attnserve.v1.AttentionService on gRPC's callback API, except AttendStream, which runs on
-// completion queues (server/stream_frontend.h says why). Handlers never block: they check the
-// call (token, draining), decode and validate the request, pick the engine, and hand a WorkItem
-// to the Batcher; the lane thread that runs the batch finishes the RPC.
+// completion queues (server/stream_frontend.h says why). The door: handlers never block; they
+// check the call (token, draining), decode and validate the request, pick the engine, and hand
+// Work (attention types, with sinks into the response; server/response_writer.h) to the
+// Batcher; the lane that runs it finishes the RPC.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -16,12 +17,13 @@
 #include "absl/synchronization/mutex.h"
 #include "attn/engine.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "proto/wire/request_decoder.h"
 #include "server/authenticator.h"
 #include "server/batcher.h"
 #include "server/descriptor_socket.h"
 #include "server/metrics.h"
-#include "server/request_decoder.h"
 #include "server/shared_memory.h"
+#include "server/work.h"
 
 namespace attnserve {
 
@@ -109,15 +111,13 @@ class AttentionService final : public AttentionServiceBase {
     int index = 0;  // into kinds_ and every lane's engines
     Metrics::PathReason reason = Metrics::PathReason::kAuto;
   };
-  absl::StatusOr<EngineChoice> ChooseEngine(const DecodedRequest& request);
-  absl::Status Submit(Metrics::Method method, DecodedRequest request, v1::AttendResponse* response,
-                      v1::AttendBackwardResponse* backward_response, absl::Time deadline,
+  absl::StatusOr<EngineChoice> ChooseEngine(const attn::AttentionProblem& problem, v1::Path path,
+                                            bool backward);
+  // Stamps the work with its engine and admission facts and queues it.
+  absl::Status Submit(Metrics::Method method, const EngineChoice& engine, absl::Time deadline,
                       std::shared_ptr<const std::atomic<bool>> cancelled,
-                      std::function<void(const absl::Status&)> done);
-
-  SharedMemoryScope ScopeOf(const Identity& caller) const {
-    return {options_.descriptor_socket != nullptr ? &shared_memory_ : nullptr, caller};
-  }
+                      std::unique_ptr<Work> work);
+  bool shared_memory_enabled() const { return options_.descriptor_socket != nullptr; }
 
   const Options options_;
   Batcher* const batcher_;

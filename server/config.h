@@ -51,7 +51,7 @@ struct Config {
   std::string shared_memory_socket;
   int max_regions_per_identity = 64;
 
-  // Per request: query heads and sequences (server/request_decoder.h).
+  // Per request: query heads and sequences (proto/wire/request_decoder.h).
   int max_heads = 1024;
   int max_sequences = 65536;
   // Per AttendStream call: bytes of responses waiting for the client before reading pauses.

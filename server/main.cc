@@ -15,10 +15,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "proto/wire/process_tuning.h"
 #include "server/config.h"
 #include "server/logging.h"
-#include "server/malloc_tuning.h"
-#include "server/mutex_tuning.h"
 #include "server/server.h"
 #include "server/termination_signal.h"
 

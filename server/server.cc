@@ -16,7 +16,7 @@
 #include "attn/problem.h"
 #include "attn/status_macros.h"
 #include "grpc/health/v1/health.pb.h"
-#include "server/channel_args.h"
+#include "proto/wire/channel_args.h"
 #include "server/device_pool.h"
 #include "server/logging.h"
 #include "server/reflection_service.h"
@@ -163,29 +163,29 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   // Lanes: per device when a GPU engine runs, otherwise one lane set on the CPU.
   const std::vector<int> lane_devices = any_device ? config.devices : std::vector<int>{0};
   const int per_device = config.lanes_per_device > 0 ? config.lanes_per_device : any_device ? 2 : 1;
-  std::vector<Batcher::Lane> lanes;
+  std::vector<Lane::Parts> lane_parts;
   for (int device : lane_devices) {
     for (int i = 0; i < per_device; ++i) {
       attn::EngineOptions options;
       options.device = device;
       options.num_threads = config.cpu_threads;
-      Batcher::Lane lane;
+      Lane::Parts parts;
       for (attn::EngineKind kind : kinds) {
         ATTN_ASSIGN_OR_RETURN(std::unique_ptr<attn::Engine> engine,
                               attn::CreateEngine(kind, options));
-        lane.engines.push_back(std::move(engine));
+        parts.engines.push_back(std::move(engine));
       }
-      ATTN_ASSIGN_OR_RETURN(lane.host_pool, DevicePool::Create(attn::MemorySpace::kHost, device,
-                                                               config.memory_limit_bytes));
+      ATTN_ASSIGN_OR_RETURN(parts.host_pool, DevicePool::Create(attn::MemorySpace::kHost, device,
+                                                                config.memory_limit_bytes));
       if (any_device) {
-        ATTN_ASSIGN_OR_RETURN(lane.device_pool,
+        ATTN_ASSIGN_OR_RETURN(parts.device_pool,
                               DevicePool::Create(attn::MemorySpace::kDevice, device,
                                                  config.memory_limit_bytes, gpu_wait));
       }
-      lanes.push_back(std::move(lane));
+      lane_parts.push_back(std::move(parts));
     }
   }
-  const int lane_count = static_cast<int>(lanes.size());
+  const int lane_count = static_cast<int>(lane_parts.size());
 
   self->metrics_.SetBuildInfo(kVersion, any_device);
   if (!config.metrics_address.empty()) {
@@ -208,12 +208,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   batch_options.max_queue_delay = config.max_queue_delay;
   batch_options.queue_capacity = config.queue_capacity;
   batch_options.memory_limit_bytes = config.memory_limit_bytes;
-  batch_options.lane_threads =
+  self->batcher_ = std::make_unique<Batcher>(batch_options, &self->metrics_);
+  const int copy_threads =
       config.lane_threads > 0
           ? config.lane_threads
           : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / (2 * lane_count), 1,
                        4);
-  self->batcher_ = std::make_unique<Batcher>(batch_options, std::move(lanes), &self->metrics_);
+  for (int i = 0; i < lane_count; ++i) {
+    self->lanes_.push_back(std::make_unique<Lane>(i, std::move(lane_parts[i]), copy_threads,
+                                                  self->batcher_.get(), &self->metrics_));
+  }
 
   AttentionService::Options service_options;
   service_options.authenticator = self->authenticator_;
@@ -274,7 +278,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   self->stream_frontend_->AddQueues(&builder);
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr || self->port_ == 0) {
-    self->batcher_->Stop();
+    self->StopLanes();
     return absl::UnavailableError(
         absl::StrCat("--listen=", config.listen, ": cannot listen there"));
   }
@@ -309,7 +313,7 @@ void Server::Drain() {
   if (drained_) return;
   drained_ = true;
   if (server_ == nullptr) {  // Start failed half-way (the stream queues never started)
-    if (batcher_ != nullptr) batcher_->Stop();
+    StopLanes();
     return;
   }
   const absl::Time deadline = absl::Now() + config_.drain_timeout;
@@ -329,7 +333,7 @@ void Server::Drain() {
   }
   constexpr absl::Duration kShutdownGrace = absl::Milliseconds(250);
   server_->Shutdown(absl::ToChronoTime(std::min(absl::Now() + kShutdownGrace, deadline)));
-  batcher_->Stop();
+  StopLanes();
   server_->Wait();
   stream_frontend_->Stop();  // every stream is over; its queues drain empty
   const v1::Stats stats = metrics_.Snapshot();
@@ -337,6 +341,11 @@ void Server::Drain() {
                   << stats.requests_completed() << " completed, " << stats.requests_failed()
                   << " failed, " << stats.requests_rejected() << " rejected, " << stats.batches()
                   << " batches";
+}
+
+void Server::StopLanes() {
+  if (batcher_ != nullptr) batcher_->Stop();
+  lanes_.clear();  // each runs what is queued, then joins; its completion threads finish last
 }
 
 void Server::ReloadTokens() {

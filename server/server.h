@@ -12,6 +12,7 @@
 #include "server/batcher.h"
 #include "server/config.h"
 #include "server/descriptor_socket.h"
+#include "server/lane.h"
 #include "server/metrics.h"
 #include "server/stream_frontend.h"
 
@@ -35,6 +36,8 @@ class Server {
 
  private:
   explicit Server(const Config& config) : config_(config) {}
+  // Stops the batcher and joins the lanes once they have run what was queued.
+  void StopLanes();
 
   Config config_;
   int port_ = 0;
@@ -42,6 +45,7 @@ class Server {
   std::shared_ptr<Authenticator> authenticator_;
   std::unique_ptr<DescriptorSocket> descriptor_socket_;
   std::unique_ptr<Batcher> batcher_;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // pull from batcher_; joined by StopLanes
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<StreamFrontend> stream_frontend_;
   std::unique_ptr<grpc::Server> server_;

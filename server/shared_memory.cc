@@ -54,12 +54,6 @@ SharedMemoryRegion::~SharedMemoryRegion() {
   munmap(mapping_, mapping_bytes_);
 }
 
-bool SharedMemoryRegion::Contains(const void* p, int64_t bytes) const {
-  const auto* b = static_cast<const std::byte*>(p);
-  return b >= data_ && bytes >= 0 && static_cast<uint64_t>(b - data_) <= size_ &&
-         static_cast<uint64_t>(bytes) <= size_ - static_cast<uint64_t>(b - data_);
-}
-
 absl::Status SharedMemoryRegion::Pin(const std::function<absl::Status(void*, int64_t)>& pin,
                                      std::function<void(void*)> unpin) {
   if (absl::Status s = pin(mapping_, static_cast<int64_t>(mapping_bytes_)); !s.ok()) return s;
@@ -175,10 +169,10 @@ absl::StatusOr<int> SharedMemoryRegistry::Unregister(const Identity& owner,
   return removed;
 }
 
-absl::StatusOr<SharedMemorySpan> SharedMemoryRegistry::Resolve(const Identity& owner,
-                                                               const v1::SharedMemoryRef& ref,
-                                                               uint64_t expected_bytes,
-                                                               const std::string& field) const {
+absl::StatusOr<MemorySpan> SharedMemoryRegistry::Resolve(const Identity& owner,
+                                                         const v1::SharedMemoryRef& ref,
+                                                         uint64_t expected_bytes,
+                                                         const std::string& field) const {
   std::shared_ptr<const SharedMemoryRegion> region;
   {
     absl::MutexLock lock(&mu_);
@@ -200,7 +194,7 @@ absl::StatusOr<SharedMemorySpan> SharedMemoryRegistry::Resolve(const Identity& o
         absl::StrCat("offset ", ref.offset(), " + byte_size ", ref.byte_size(),
                      " runs past region '", ref.region(), "' (", region->size(), " bytes)"));
   }
-  SharedMemorySpan span;
+  MemorySpan span;
   span.data = region->data() + ref.offset();
   span.region = std::move(region);
   return span;

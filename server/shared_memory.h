@@ -26,11 +26,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.pb.h"
+#include "proto/wire/memory_region.h"
 #include "server/identity.h"
 
 namespace attnserve {
 
-class SharedMemoryRegion {
+class SharedMemoryRegion final : public MemoryRegion {
  public:
   // Maps [offset, offset + byte_size) of the memory object `fd` read-write (fd is not kept).
   static absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Map(const std::string& name, int fd,
@@ -41,12 +42,10 @@ class SharedMemoryRegion {
   SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
 
   const std::string& name() const { return name_; }
-  std::byte* data() const { return data_; }
-  uint64_t size() const { return size_; }
+  std::byte* data() const override { return data_; }
+  uint64_t size() const override { return size_; }
   // Page-locked for device copies (see HostMemoryPinning).
-  bool pinned() const { return static_cast<bool>(unpin_); }
-  // Whether [p, p + bytes) lies inside the registered range.
-  bool Contains(const void* p, int64_t bytes) const;
+  bool pinned() const override { return static_cast<bool>(unpin_); }
 
   // Page-locks the whole mapping with `pin`; `unpin` then runs before it is unmapped.
   absl::Status Pin(const std::function<absl::Status(void*, int64_t)>& pin,
@@ -62,12 +61,6 @@ class SharedMemoryRegion {
   const size_t mapping_bytes_;
   std::byte* const data_;  // the registered offset inside the mapping
   const uint64_t size_;
-};
-
-// A tensor's bytes inside a region, and the region kept mapped for as long as they are used.
-struct SharedMemorySpan {
-  std::shared_ptr<const SharedMemoryRegion> region;
-  std::byte* data = nullptr;
 };
 
 // How a GPU server page-locks regions (cudaHostRegister), so that lanes copy tensors between a
@@ -101,8 +94,8 @@ class SharedMemoryRegistry {
 
   // The bytes a tensor refers to, in one of `owner`'s regions; `field` names it in errors
   // ("q.shared_memory"). NOT_FOUND for a region the owner has not registered.
-  absl::StatusOr<SharedMemorySpan> Resolve(const Identity& owner, const v1::SharedMemoryRef& ref,
-                                           uint64_t expected_bytes, const std::string& field) const;
+  absl::StatusOr<MemorySpan> Resolve(const Identity& owner, const v1::SharedMemoryRef& ref,
+                                     uint64_t expected_bytes, const std::string& field) const;
 
   int size() const;
   int size(const Identity& owner) const;
@@ -116,6 +109,21 @@ class SharedMemoryRegistry {
   mutable absl::Mutex mu_;
   std::map<Key, std::shared_ptr<const SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
   std::map<Identity, int> per_owner_ ABSL_GUARDED_BY(mu_);
+};
+
+// The references one identity may resolve: what the request decoder is given for its caller.
+class SharedMemoryScope final : public SharedMemoryResolver {
+ public:
+  SharedMemoryScope(const SharedMemoryRegistry* registry, Identity owner)
+      : registry_(registry), owner_(std::move(owner)) {}
+  absl::StatusOr<MemorySpan> Resolve(const v1::SharedMemoryRef& ref, uint64_t expected_bytes,
+                                     const std::string& field) const override {
+    return registry_->Resolve(owner_, ref, expected_bytes, field);
+  }
+
+ private:
+  const SharedMemoryRegistry* const registry_;
+  const Identity owner_;
 };
 
 // Whether a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is a

@@ -35,8 +35,7 @@
 #include "clients/cli/request_factory.h"
 #include "clients/cli/shared_memory_buffer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/malloc_tuning.h"
-#include "server/mutex_tuning.h"
+#include "proto/wire/process_tuning.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(std::string, tls_ca_file, "", "Use TLS, trusting this PEM CA certificate");

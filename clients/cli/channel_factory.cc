@@ -4,7 +4,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "server/channel_args.h"
+#include "proto/wire/channel_args.h"
 
 namespace attnserve::client {
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "server/request_decoder.h"
+#include "proto/wire/request_decoder.h"
 
 namespace attnserve::client {
 namespace {
@@ -94,7 +94,7 @@ LoadGenerator::LoadGenerator(const ChannelFactory* factory,
   DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{1} << 40;
   for (const v1::AttendRequest& r : pool_) {
-    absl::StatusOr<DecodedRequest> d = DecodeAttendRequest(r, limits);
+    absl::StatusOr<DecodedForward> d = DecodeAttendRequest(r, limits);
     flops_.push_back(d.ok() ? d->problem.forward_flops() : 0.0);
     tokens_.push_back(d.ok() ? d->tokens() : 0);
   }

@@ -10,7 +10,7 @@
 #include "attn/engine.h"
 #include "attn/status_macros.h"
 #include "attn/tensor.h"
-#include "server/request_decoder.h"
+#include "proto/wire/request_decoder.h"
 
 namespace attnserve::client {
 namespace {
@@ -71,7 +71,7 @@ absl::StatusOr<CheckResult> CheckAgainstReference(const v1::AttendRequest& reque
                                                   const v1::AttendResponse& response) {
   DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{1} << 40;
-  ATTN_ASSIGN_OR_RETURN(DecodedRequest d, DecodeAttendRequest(request, limits));
+  ATTN_ASSIGN_OR_RETURN(DecodedForward d, DecodeAttendRequest(request, limits));
   const attn::AttentionProblem& p = d.problem;
 
   const v1::Tensor& o = response.o();
@@ -127,7 +127,8 @@ absl::StatusOr<BackwardCheckResult> CheckBackwardAgainstReference(
     const v1::AttendBackwardRequest& request, const v1::AttendBackwardResponse& response) {
   DecodeLimits limits;
   limits.memory_limit_bytes = int64_t{1} << 40;
-  ATTN_ASSIGN_OR_RETURN(DecodedRequest d, DecodeAttendBackwardRequest(request, limits));
+  ATTN_ASSIGN_OR_RETURN(DecodedBackward backward, DecodeAttendBackwardRequest(request, limits));
+  const DecodedForward& d = backward.forward;
   const attn::AttentionProblem& p = d.problem;
   const v1::AttendRequest& f = request.forward();
   ATTN_RETURN_IF_ERROR(CheckTensorLike("d_q", response.d_q(), f.q(), "q"));
@@ -138,8 +139,8 @@ absl::StatusOr<BackwardCheckResult> CheckBackwardAgainstReference(
                         attn::CreateEngine(attn::EngineKind::kCpuReference));
   std::vector<char> o(f.q().data().size());
   std::vector<float> lse(static_cast<size_t>(p.total_q() * p.num_heads));
-  const char* o_data = d.o;
-  const float* lse_data = reinterpret_cast<const float*>(d.lse);
+  const char* o_data = backward.o;
+  const float* lse_data = reinterpret_cast<const float*>(backward.lse);
   if (o_data == nullptr) {
     attn::ForwardArgs args;
     args.q = attn::Packed<const void*>(d.q, p.num_heads, p.head_dim);
@@ -151,7 +152,7 @@ absl::StatusOr<BackwardCheckResult> CheckBackwardAgainstReference(
     o_data = o.data();
     lse_data = lse.data();
   } else {  // the request's bytes need not be aligned for float
-    std::memcpy(lse.data(), d.lse, lse.size() * sizeof(float));
+    std::memcpy(lse.data(), backward.lse, lse.size() * sizeof(float));
     lse_data = lse.data();
   }
   std::vector<char> dq(f.q().data().size()), dk(f.k().data().size()), dv(f.v().data().size());
@@ -160,7 +161,7 @@ absl::StatusOr<BackwardCheckResult> CheckBackwardAgainstReference(
   b.k = attn::Packed<const void*>(d.k, p.num_kv_heads, p.head_dim);
   b.v = attn::Packed<const void*>(d.v, p.num_kv_heads, p.head_dim);
   b.o = attn::Packed<const void*>(o_data, p.num_heads, p.head_dim);
-  b.d_o = attn::Packed<const void*>(d.d_o, p.num_heads, p.head_dim);
+  b.d_o = attn::Packed<const void*>(backward.d_o, p.num_heads, p.head_dim);
   b.lse = lse_data;
   b.dq = attn::Packed<void*>(dq.data(), p.num_heads, p.head_dim);
   b.dk = attn::Packed<void*>(dk.data(), p.num_kv_heads, p.head_dim);

@@ -2,7 +2,7 @@
 
 #include <random>
 
-#include "server/request_decoder.h"
+#include "proto/wire/request_decoder.h"
 
 namespace attnserve::client {
 namespace {

@@ -47,6 +47,14 @@ using client::ChannelOptions;
 using client::ShapeSpec;
 using test_support::ServerProcess;
 
+// AddressSanitizer's allocator keeps freed memory in quarantine, so resident-memory bounds only
+// mean something in builds without it.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssIsMeaningful = false;
+#else
+constexpr bool kRssIsMeaningful = true;
+#endif
+
 constexpr char kAttendMethod[] = "/attnserve.v1.AttentionService/Attend";
 constexpr char kAttendStreamMethod[] = "/attnserve.v1.AttentionService/AttendStream";
 
@@ -274,7 +282,11 @@ TEST(Reliability, SigtermUnderStreamingLoad) {
             request = sent[response.request_id()];
           }
           if (response.has_error()) {
-            response.error().code() == grpc::StatusCode::UNAVAILABLE ? ++refused : ++other;
+            // Refusals: draining (UNAVAILABLE), or a full queue on a slow build.
+            const int code = response.error().code();
+            code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::RESOURCE_EXHAUSTED
+                ? ++refused
+                : ++other;
           } else {
             client::CheckAgainstReference(request, response).ok() ? ++ok : ++other;
           }
@@ -365,7 +377,9 @@ TEST(Reliability, AStreamThatNeverReadsIsBounded) {
                                     "server RSS ",
                                     before >> 20, " MiB -> ", during >> 20, " MiB"));
   EXPECT_LT(written_when_blocked, 1500);
-  EXPECT_LT(during - before, int64_t{192} << 20);
+  if (kRssIsMeaningful) {
+    EXPECT_LT(during - before, int64_t{192} << 20);
+  }
   EXPECT_TRUE(alive);
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
@@ -828,7 +842,9 @@ TEST(Reliability, MixedRunsDoNotGrowTheServer) {
   const int64_t after = ResidentBytes(c.server->pid());
   Report("rss", absl::StrCat("after one mixed round ", warm >> 20, " MiB, after three more ",
                              after >> 20, " MiB (bound: +32 MiB)"));
-  EXPECT_LT(after - warm, int64_t{32} << 20);
+  if (kRssIsMeaningful) {
+    EXPECT_LT(after - warm, int64_t{32} << 20);
+  }
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 

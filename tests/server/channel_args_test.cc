@@ -1,4 +1,4 @@
-#include "server/channel_args.h"
+#include "proto/wire/channel_args.h"
 
 #include <gtest/gtest.h>
 

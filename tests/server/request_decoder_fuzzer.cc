@@ -1,10 +1,13 @@
-// libFuzzer target: arbitrary bytes into the AttendRequest decoder/validator. Half the inputs
-// are parsed as a serialized request (the wire path); the other half build a request field by
-// field, which reaches the shape and cu_seqlens checks far more often than random protobuf does.
-// Every accepted request then also goes through the AttendBackward decoder with fuzzed d_o, o
-// and lse. Tensors sometimes refer to a registered shared-memory region (or to one that is not)
-// instead of carrying bytes. Whatever a decoder accepts must describe exactly the bytes it was
-// given, and a tensor in shared memory must lie inside the region.
+// libFuzzer target: arbitrary bytes through the door's whole path short of an engine: decode,
+// validate under the server's limits, and plan (the batch key, the packing of a batch, the
+// staging layout a lane would use). Half the inputs are parsed as a serialized request (the wire
+// path); the other half build a request field by field, which reaches the shape and cu_seqlens
+// checks far more often than random protobuf does. Every accepted request then also goes through
+// the AttendBackward decoder with fuzzed d_o, o and lse. Tensors sometimes refer to a registered
+// shared-memory region (or to one that is not) instead of carrying bytes. Whatever a decoder
+// accepts must describe exactly the bytes it was given, stay within every limit, and plan into
+// a layout that fits; a tensor in shared memory must lie inside the region. The seed corpus is
+// tests/server/fuzz_corpus (valid requests of each layout, encoded by protoc).
 #include <fcntl.h>
 #include <fuzzer/FuzzedDataProvider.h>
 #include <sys/mman.h>
@@ -13,14 +16,38 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "attnserve/v1/attention.pb.h"
-#include "server/request_decoder.h"
+#include "proto/wire/request_decoder.h"
 #include "server/shared_memory.h"
+#include "server/staging.h"
+#include "server/work.h"
 
 namespace {
 
 constexpr uint64_t kRegionBytes = 64 << 10;
+
+// The server's limits, small enough that fuzzed requests reach them.
+attnserve::DecodeLimits Limits() {
+  attnserve::DecodeLimits limits;
+  limits.memory_limit_bytes = int64_t{64} << 20;
+  limits.max_heads = 24;
+  limits.max_sequences = 16;
+  return limits;
+}
+
+// Aborts unless `offsets` (in order) are aligned, increasing, and each range ends before the
+// next begins.
+void CheckLayout(const std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t end) {
+  int64_t at = 0;
+  for (const auto& [offset, bytes] : ranges) {
+    if (offset % attnserve::kStagingAlign != 0 || offset < at || bytes < 0) std::abort();
+    at = offset + bytes;
+  }
+  if (end < at) std::abort();
+}
 
 const attnserve::Identity kOwner{"fuzzer"};
 
@@ -43,7 +70,10 @@ const attnserve::SharedMemoryRegistry& Registry() {
   return *registry;
 }
 
-attnserve::SharedMemoryScope Scope() { return {&Registry(), kOwner}; }
+const attnserve::SharedMemoryScope* Scope() {
+  static const auto* scope = new attnserve::SharedMemoryScope(&Registry(), kOwner);
+  return scope;
+}
 
 // The bytes a tensor claims: its data, or its shared-memory range.
 int64_t ClaimedBytes(const attnserve::v1::Tensor& t) {
@@ -98,7 +128,7 @@ void CheckBackward(const attnserve::v1::AttendRequest& forward,
   if (in.ConsumeBool()) FillTensor(in, r.mutable_lse());
   const auto decoded = attnserve::DecodeAttendBackwardRequest(r, limits, Scope());
   if (!decoded.ok()) return;
-  const attn::AttentionProblem& p = decoded->problem;
+  const attn::AttentionProblem& p = decoded->problem();
   const int64_t q_bytes = p.total_q() * p.num_heads * p.head_dim * attn::DTypeSize(p.dtype);
   const int64_t lse_bytes = p.total_q() * p.num_heads * 4;
   const bool with_forward = decoded->o != nullptr;
@@ -107,6 +137,19 @@ void CheckBackward(const attnserve::v1::AttendRequest& forward,
       attnserve::BackwardWorkingSetBytes(p) > limits.memory_limit_bytes) {
     std::abort();  // accepted a backward request whose tensors do not match its problem
   }
+  const attnserve::BackwardStaging at = attnserve::BackwardStaging::For(p);
+  const int64_t kv_bytes = p.total_k() * p.num_kv_heads * p.head_dim * attn::DTypeSize(p.dtype);
+  CheckLayout({{at.q, q_bytes},
+               {at.k, kv_bytes},
+               {at.v, kv_bytes},
+               {at.d_o, q_bytes},
+               {at.o, q_bytes},
+               {at.lse, lse_bytes},
+               {at.dq, q_bytes},
+               {at.dk, kv_bytes},
+               {at.dv, kv_bytes}},
+              at.end);
+  if (at.end > attnserve::BackwardWorkingSetBytes(p) + 9 * attnserve::kStagingAlign) std::abort();
   CheckInRegion(r.d_o(), decoded->d_o, q_bytes);
   if (with_forward) {
     CheckInRegion(r.o(), decoded->o, q_bytes);
@@ -146,8 +189,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ref.set_byte_size(static_cast<uint64_t>(ClaimedBytes(request.q())));
     }
   }
-  attnserve::DecodeLimits limits;
-  limits.memory_limit_bytes = int64_t{64} << 20;
+  const attnserve::DecodeLimits limits = Limits();
   const auto decoded = attnserve::DecodeAttendRequest(request, limits, Scope());
   if (!decoded.ok()) return 0;
   CheckBackward(request, limits, data, size);
@@ -160,10 +202,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       attnserve::WorkingSetBytes(p) > limits.memory_limit_bytes || !attn::ValidateProblem(p).ok()) {
     std::abort();  // accepted a request whose tensors do not match its problem
   }
+  // Every count the request named is within the limits.
+  if (p.num_heads > limits.max_heads || p.batch() > limits.max_sequences ||
+      p.effective_window_left() < -1 || p.effective_window_right() < -1) {
+    std::abort();
+  }
   CheckInRegion(request.q(), decoded->q, q_bytes);
   CheckInRegion(request.k(), decoded->k, kv_bytes);
   CheckInRegion(request.v(), decoded->v, kv_bytes);
   if (request.has_o_shared_memory() != (decoded->o_out != nullptr)) std::abort();
+
+  // The plan: the request batched with a copy of itself, as a lane packs compatible requests.
+  const attn::AttentionProblem packed = attnserve::PackProblems({&p, &p});
+  if (!attn::ValidateProblem(packed).ok() || packed.total_q() != 2 * p.total_q() ||
+      packed.total_k() != 2 * p.total_k() || packed.batch() != 2 * p.batch() ||
+      !(attnserve::BatchKey::Of(0, packed) == attnserve::BatchKey::Of(0, p))) {
+    std::abort();
+  }
+  const bool lse = decoded->return_lse;
+  const attnserve::ForwardStaging at = attnserve::ForwardStaging::For(packed, lse, false);
+  const int64_t lse_bytes = lse ? packed.total_q() * packed.num_heads * 4 : 0;
+  CheckLayout({{at.q, 2 * q_bytes},
+               {at.k, 2 * kv_bytes},
+               {at.v, 2 * kv_bytes},
+               {at.o, 2 * q_bytes},
+               {at.lse, lse_bytes}},
+              at.end);
+  if (at.end > 2 * attnserve::WorkingSetBytes(p) + 5 * attnserve::kStagingAlign) std::abort();
+  if (attnserve::ForwardStaging::For(p, lse, true).end != (lse ? lse_bytes / 2 : 0)) std::abort();
   if (decoded->o_out != nullptr) {
     attnserve::v1::Tensor o;
     *o.mutable_shared_memory() = request.o_shared_memory();

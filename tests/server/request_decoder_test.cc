@@ -1,5 +1,5 @@
 // Unit tests of the request decoder: layouts, and errors that name the field.
-#include "server/request_decoder.h"
+#include "proto/wire/request_decoder.h"
 
 #include <gtest/gtest.h>
 

@@ -17,8 +17,8 @@
 #include "clients/cli/request_factory.h"
 #include "clients/cli/shared_memory_buffer.h"
 #include "proto/wire/descriptor_passing.h"
+#include "proto/wire/request_decoder.h"
 #include "server/descriptor_socket.h"
-#include "server/request_decoder.h"
 
 namespace attnserve {
 namespace {
@@ -369,9 +369,9 @@ TEST(RequestDecoderSharedMemory, TensorsResolveIntoTheRegion) {
       Ref("r", static_cast<uint64_t>(client::SharedMemoryAlignUp(offset)), q_bytes.size());
   SharedMemoryRegistry registry;
   ASSERT_TRUE(registry.Register(kAlice, Registration("r", 0, 64 << 10), (*buffer)->fd()).ok());
-  const SharedMemoryScope alice{&registry, kAlice};
+  const SharedMemoryScope alice(&registry, kAlice);
 
-  auto d = DecodeAttendRequest(r, {}, alice);
+  auto d = DecodeAttendRequest(r, {}, &alice);
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(std::memcmp(d->q, q_bytes.data(), q_bytes.size()), 0);
   EXPECT_EQ(std::memcmp(d->k, k_bytes.data(), k_bytes.size()), 0);
@@ -387,19 +387,20 @@ TEST(RequestDecoderSharedMemory, TensorsResolveIntoTheRegion) {
   // Bytes in both places.
   v1::AttendRequest both = r;
   both.mutable_k()->set_data("xx");
-  ExpectError(DecodeAttendRequest(both, {}, alice).status(), absl::StatusCode::kInvalidArgument,
+  ExpectError(DecodeAttendRequest(both, {}, &alice).status(), absl::StatusCode::kInvalidArgument,
               "k.data");
   // Another identity cannot name alice's region.
-  ExpectError(DecodeAttendRequest(r, {}, {&registry, kBob}).status(), absl::StatusCode::kNotFound,
+  const SharedMemoryScope bob(&registry, kBob);
+  ExpectError(DecodeAttendRequest(r, {}, &bob).status(), absl::StatusCode::kNotFound,
               "q.shared_memory.region");
   // A wrong size for O, an unknown region for V.
   v1::AttendRequest bad_o = r;
   bad_o.mutable_o_shared_memory()->set_byte_size(q_bytes.size() - 2);
-  ExpectError(DecodeAttendRequest(bad_o, {}, alice).status(), absl::StatusCode::kInvalidArgument,
+  ExpectError(DecodeAttendRequest(bad_o, {}, &alice).status(), absl::StatusCode::kInvalidArgument,
               "o_shared_memory.byte_size");
   v1::AttendRequest bad_v = r;
   bad_v.mutable_v()->mutable_shared_memory()->set_region("elsewhere");
-  ExpectError(DecodeAttendRequest(bad_v, {}, alice).status(), absl::StatusCode::kNotFound,
+  ExpectError(DecodeAttendRequest(bad_v, {}, &alice).status(), absl::StatusCode::kNotFound,
               "v.shared_memory.region");
 
   // AttendBackward reads d_o by reference too; O comes back in its response only.
@@ -407,11 +408,11 @@ TEST(RequestDecoderSharedMemory, TensorsResolveIntoTheRegion) {
   *b.mutable_forward() = r;
   b.mutable_forward()->clear_o_shared_memory();
   *b.mutable_d_o() = r.q();
-  auto db = DecodeAttendBackwardRequest(b, {}, alice);
+  auto db = DecodeAttendBackwardRequest(b, {}, &alice);
   ASSERT_TRUE(db.ok()) << db.status();
   EXPECT_EQ(std::memcmp(db->d_o, q_bytes.data(), q_bytes.size()), 0);
   *b.mutable_forward()->mutable_o_shared_memory() = r.o_shared_memory();
-  ExpectError(DecodeAttendBackwardRequest(b, {}, alice).status(),
+  ExpectError(DecodeAttendBackwardRequest(b, {}, &alice).status(),
               absl::StatusCode::kInvalidArgument, "forward.o_shared_memory");
 }
 

@@ -1,4 +1,4 @@
-#include "server/request_decoder.h"
+#include "proto/wire/request_decoder.h"
 
 #include <limits>
 #include <string>
@@ -69,16 +69,16 @@ int64_t TensorBytes(const v1::Tensor& t, attn::DType dtype) {
 // Where a checked tensor's elements are: its own bytes, or a registered shared-memory range
 // (kept mapped by `d`).
 absl::StatusOr<const char*> ElementsOf(const std::string& name, const v1::Tensor& t,
-                                       attn::DType dtype, const SharedMemoryScope& shared_memory,
-                                       DecodedRequest* d) {
+                                       attn::DType dtype, const SharedMemoryResolver* shared_memory,
+                                       DecodedForward* d) {
   if (!t.has_shared_memory()) return t.data().data();
-  if (shared_memory.registry == nullptr) {
+  if (shared_memory == nullptr) {
     return Invalid(absl::StrCat(name, ".shared_memory"),
                    "shared memory is disabled on this server; send the bytes in data");
   }
-  absl::StatusOr<SharedMemorySpan> span = shared_memory.registry->Resolve(
-      shared_memory.owner, t.shared_memory(), static_cast<uint64_t>(TensorBytes(t, dtype)),
-      absl::StrCat(name, ".shared_memory"));
+  absl::StatusOr<MemorySpan> span =
+      shared_memory->Resolve(t.shared_memory(), static_cast<uint64_t>(TensorBytes(t, dtype)),
+                             absl::StrCat(name, ".shared_memory"));
   if (!span.ok()) return span.status();
   d->regions.push_back(std::move(span->region));
   return reinterpret_cast<const char*>(span->data);
@@ -135,9 +135,9 @@ v1::DType ToProtoDType(attn::DType dtype) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
-absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
+absl::StatusOr<DecodedForward> DecodeAttendRequest(const v1::AttendRequest& r,
                                                    const DecodeLimits& limits,
-                                                   const SharedMemoryScope& shared_memory) {
+                                                   const SharedMemoryResolver* shared_memory) {
   if (!r.has_q()) return Invalid("q", "missing");
   if (!r.has_k()) return Invalid("k", "missing");
   if (!r.has_v()) return Invalid("v", "missing");
@@ -172,7 +172,7 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
     }
   }
 
-  DecodedRequest d;
+  DecodedForward d;
   attn::AttentionProblem& p = d.problem;
   p.dtype = *dtype;
   const auto& qs = r.q().shape();
@@ -272,15 +272,14 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   ATTN_ASSIGN_OR_RETURN(d.k, ElementsOf("k", r.k(), p.dtype, shared_memory, &d));
   ATTN_ASSIGN_OR_RETURN(d.v, ElementsOf("v", r.v(), p.dtype, shared_memory, &d));
   if (r.has_o_shared_memory()) {
-    if (shared_memory.registry == nullptr) {
+    if (shared_memory == nullptr) {
       return Invalid("o_shared_memory",
                      "shared memory is disabled on this server; O comes back in the response");
     }
-    ATTN_ASSIGN_OR_RETURN(
-        SharedMemorySpan span,
-        shared_memory.registry->Resolve(shared_memory.owner, r.o_shared_memory(),
-                                        static_cast<uint64_t>(TensorBytes(r.q(), p.dtype)),
-                                        "o_shared_memory"));
+    ATTN_ASSIGN_OR_RETURN(MemorySpan span,
+                          shared_memory->Resolve(r.o_shared_memory(),
+                                                 static_cast<uint64_t>(TensorBytes(r.q(), p.dtype)),
+                                                 "o_shared_memory"));
     d.o_out = span.data;
     d.o_out_ref = &r.o_shared_memory();
     d.regions.push_back(std::move(span.region));
@@ -291,15 +290,15 @@ absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& r,
   return d;
 }
 
-absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackwardRequest& r,
-                                                           const DecodeLimits& limits,
-                                                           const SharedMemoryScope& shared_memory) {
+absl::StatusOr<DecodedBackward> DecodeAttendBackwardRequest(
+    const v1::AttendBackwardRequest& r, const DecodeLimits& limits,
+    const SharedMemoryResolver* shared_memory) {
   if (!r.has_forward()) return Invalid("forward", "missing (q, k, v and the mask)");
   if (r.forward().has_o_shared_memory()) {
     return Invalid("forward.o_shared_memory",
                    "not used by AttendBackward (the gradients come back in the response)");
   }
-  absl::StatusOr<DecodedRequest> decoded = DecodeAttendRequest(r.forward(), limits, shared_memory);
+  absl::StatusOr<DecodedForward> decoded = DecodeAttendRequest(r.forward(), limits, shared_memory);
   if (!decoded.ok()) {
     // Name the field as the client wrote it: forward.q.data, not q.data.
     return absl::Status(
@@ -308,8 +307,10 @@ absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackw
             decoded.status().code() == absl::StatusCode::kInvalidArgument ? "forward." : "",
             decoded.status().message()));
   }
-  DecodedRequest d = *std::move(decoded);
-  const attn::AttentionProblem& p = d.problem;
+  DecodedBackward d;
+  d.forward = *std::move(decoded);
+  d.forward.return_lse = false;
+  const attn::AttentionProblem& p = d.forward.problem;
   const v1::Tensor& q = r.forward().q();
   const int rank = q.shape_size();
   auto same_as_q = [&](const char* name, const v1::Tensor& t) -> absl::Status {
@@ -346,8 +347,9 @@ absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackw
       return Invalid("lse.shape", absl::StrCat(ShapeString(lse), ", expected [", p.num_heads, ", ",
                                                p.total_q(), "] (num_heads, total_q)"));
     }
-    ATTN_ASSIGN_OR_RETURN(d.o, ElementsOf("o", r.o(), p.dtype, shared_memory, &d));
-    ATTN_ASSIGN_OR_RETURN(d.lse, ElementsOf("lse", lse, attn::DType::kF32, shared_memory, &d));
+    ATTN_ASSIGN_OR_RETURN(d.o, ElementsOf("o", r.o(), p.dtype, shared_memory, &d.forward));
+    ATTN_ASSIGN_OR_RETURN(d.lse,
+                          ElementsOf("lse", lse, attn::DType::kF32, shared_memory, &d.forward));
   }
   const int64_t bytes = BackwardWorkingSetBytes(p);
   if (bytes > limits.memory_limit_bytes) {
@@ -357,10 +359,8 @@ absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(const v1::AttendBackw
                      "per batch is ",
                      limits.memory_limit_bytes, " bytes"));
   }
-  d.backward = true;
-  ATTN_ASSIGN_OR_RETURN(d.d_o, ElementsOf("d_o", r.d_o(), p.dtype, shared_memory, &d));
+  ATTN_ASSIGN_OR_RETURN(d.d_o, ElementsOf("d_o", r.d_o(), p.dtype, shared_memory, &d.forward));
   d.k_shape.assign(r.forward().k().shape().begin(), r.forward().k().shape().end());
-  d.return_lse = false;
   return d;
 }
 

@@ -1,6 +1,8 @@
-// Turns an AttendRequest into a validated attention problem whose tensors point into the
-// request's own bytes. Everything a request can get wrong is caught here, before it is queued,
-// and the message names the field. The libFuzzer target (tests/server) drives this file.
+// Turns an AttendRequest (or an AttendBackwardRequest) into a validated attention problem whose
+// tensors point into the request's own bytes or the shared-memory regions it names. Everything a
+// request can get wrong is caught here, before it is queued, and the message names the field.
+// Both ends use it: the server at its door, the clients to check answers against the reference.
+// The libFuzzer target (tests/server) drives this file.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "attn/problem.h"
 #include "attnserve/v1/attention.pb.h"
-#include "server/shared_memory.h"
+#include "proto/wire/memory_region.h"
 
 namespace attnserve {
 
@@ -25,9 +27,10 @@ struct DecodeLimits {
   int max_sequences = 65536;  // the dense batch, or cu_seqlens entries - 1
 };
 
-// A validated request. The tensor pointers alias the request's bytes or the shared-memory
-// regions it refers to (kept mapped by `regions`): the request must outlive this object.
-struct DecodedRequest {
+// A validated forward request. The tensor pointers alias the request's bytes or the
+// shared-memory regions it refers to (kept alive by `regions`): the request must outlive this
+// object.
+struct DecodedForward {
   attn::AttentionProblem problem;
   const char* q = nullptr;  // [total_q, num_heads, head_dim], packed
   const char* k = nullptr;  // [total_k, num_kv_heads, head_dim], packed
@@ -38,14 +41,7 @@ struct DecodedRequest {
   // o_shared_memory: O goes here instead of into the response, which echoes the reference.
   std::byte* o_out = nullptr;
   const v1::SharedMemoryRef* o_out_ref = nullptr;
-  std::vector<std::shared_ptr<const SharedMemoryRegion>> regions;
-
-  // AttendBackward only.
-  bool backward = false;
-  const char* d_o = nullptr;     // like q
-  const char* o = nullptr;       // the forward's O, like q; null: the server runs the forward
-  const char* lse = nullptr;     // float32 [num_heads, total_q]; set exactly when o is
-  std::vector<int64_t> k_shape;  // the shape of k, which dK and dV take
+  std::vector<std::shared_ptr<const MemoryRegion>> regions;
 
   int64_t tokens() const { return problem.total_q() + problem.total_k(); }
   // Whether [p, p + bytes) lies in one of the request's page-locked shared-memory regions, so
@@ -56,6 +52,18 @@ struct DecodedRequest {
     }
     return false;
   }
+};
+
+// A validated AttendBackward request: the forward it differentiates, dO, and the forward's
+// outputs when the client kept them.
+struct DecodedBackward {
+  DecodedForward forward;        // return_lse is false; o_out unused
+  const char* d_o = nullptr;     // like q
+  const char* o = nullptr;       // the forward's O, like q; null: the server runs the forward
+  const char* lse = nullptr;     // float32 [num_heads, total_q]; set exactly when o is
+  std::vector<int64_t> k_shape;  // the shape of k, which dK and dV take
+
+  const attn::AttentionProblem& problem() const { return forward.problem; }
 };
 
 // Bytes of one of a problem's tensors: Q (and O, dO, dQ), K (and V, dK, dV), the float32 LSE.
@@ -71,21 +79,15 @@ int64_t BackwardWorkingSetBytes(const attn::AttentionProblem& p);
 absl::StatusOr<attn::DType> FromProtoDType(v1::DType dtype);
 v1::DType ToProtoDType(attn::DType dtype);
 
-// Where a request's shared-memory references are looked up: the registry (null when shared
-// memory is disabled) and the identity whose regions they may name.
-struct SharedMemoryScope {
-  const SharedMemoryRegistry* registry = nullptr;
-  Identity owner;
-};
-
-// INVALID_ARGUMENT naming the field, NOT_FOUND for a shared-memory region the caller has not
-// registered, or RESOURCE_EXHAUSTED when the request is too large.
-absl::StatusOr<DecodedRequest> DecodeAttendRequest(const v1::AttendRequest& request,
-                                                   const DecodeLimits& limits,
-                                                   const SharedMemoryScope& shared_memory = {});
+// INVALID_ARGUMENT naming the field, NOT_FOUND for a shared-memory region the caller cannot
+// name, or RESOURCE_EXHAUSTED when the request is too large. `shared_memory` resolves
+// references (null: shared memory is off, and a reference is invalid).
+absl::StatusOr<DecodedForward> DecodeAttendRequest(
+    const v1::AttendRequest& request, const DecodeLimits& limits,
+    const SharedMemoryResolver* shared_memory = nullptr);
 // The forward part as DecodeAttendRequest (fields named "forward.q", ...), then d_o, o, lse.
-absl::StatusOr<DecodedRequest> DecodeAttendBackwardRequest(
+absl::StatusOr<DecodedBackward> DecodeAttendBackwardRequest(
     const v1::AttendBackwardRequest& request, const DecodeLimits& limits,
-    const SharedMemoryScope& shared_memory = {});
+    const SharedMemoryResolver* shared_memory = nullptr);
 
 }  // namespace attnserve

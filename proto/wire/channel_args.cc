@@ -1,4 +1,4 @@
-#include "server/channel_args.h"
+#include "proto/wire/channel_args.h"
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
