@@ -189,7 +189,7 @@ TEST_P(CudaSweepTest, AutoChoiceMatchesReference) {
   auto device = DeviceForward::Upload(t);
   ASSERT_TRUE(device.ok()) << device.status();
   const Support fused_supports = EngineSupports(EngineKind::kCudaFused, Pass::kForward, p);
-  const absl::Status aligned = cuda::CheckRowsAligned16(p, device->args());
+  const Support aligned = cuda::CheckRowsAligned16(p, device->args());
   const EngineKind chosen =
       fused_supports.ok() && aligned.ok() ? EngineKind::kCudaFused : EngineKind::kCudaNaive;
   if (chosen == EngineKind::kCudaNaive) {

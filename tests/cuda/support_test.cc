@@ -69,13 +69,15 @@ TEST(Support, FusedRefusesOtherHeadDimsWithTheReason) {
 TEST(Support, MisalignedTensorsBreakTheFusedRule) {
   Fixture f;
   f.args.q.token_stride += 3;  // 3 bf16 elements: not a multiple of 16 bytes
-  absl::Status aligned = CheckRowsAligned16(f.p, f.args);
-  EXPECT_EQ(aligned.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(aligned.message(), "q: token_stride")) << aligned;
+  Support aligned = CheckRowsAligned16(f.p, f.args);
+  EXPECT_EQ(aligned.reason(), Refusal::kUnaligned);
+  EXPECT_EQ(aligned.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(aligned.status().message(), "q: token_stride")) << aligned;
 
   Fixture misaligned(64, /*offset_elements=*/1);
   aligned = CheckRowsAligned16(misaligned.p, misaligned.args);
-  EXPECT_TRUE(absl::StrContains(aligned.message(), "aligned")) << aligned;
+  EXPECT_EQ(aligned.reason(), Refusal::kUnaligned);
+  EXPECT_TRUE(absl::StrContains(aligned.status().message(), "aligned")) << aligned;
   // The naive path takes any strides.
   EXPECT_TRUE(Naive(Pass::kForward, misaligned.p).ok());
 }

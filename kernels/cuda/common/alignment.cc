@@ -1,7 +1,8 @@
 #include "cuda/common/alignment.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
-#include "attn/status_macros.h"
 
 namespace attn::cuda {
 namespace {
@@ -28,18 +29,17 @@ absl::Status CheckView(const char* name, const void* data, int64_t token_stride,
 
 }  // namespace
 
-absl::Status CheckRowsAligned16(const AttentionProblem& p, const ForwardArgs& a) {
+Support CheckRowsAligned16(const AttentionProblem& p, const ForwardArgs& a) {
   const int64_t es = DTypeSize(p.dtype);
   const int64_t tq = p.total_q(), tk = p.total_k();
-  ATTN_RETURN_IF_ERROR(
-      CheckView("q", a.q.data, a.q.token_stride, a.q.head_stride, tq, p.num_heads, es));
-  ATTN_RETURN_IF_ERROR(
-      CheckView("k", a.k.data, a.k.token_stride, a.k.head_stride, tk, p.num_kv_heads, es));
-  ATTN_RETURN_IF_ERROR(
-      CheckView("v", a.v.data, a.v.token_stride, a.v.head_stride, tk, p.num_kv_heads, es));
-  ATTN_RETURN_IF_ERROR(
-      CheckView("o", a.o.data, a.o.token_stride, a.o.head_stride, tq, p.num_heads, es));
-  return absl::OkStatus();
+  for (absl::Status s :
+       {CheckView("q", a.q.data, a.q.token_stride, a.q.head_stride, tq, p.num_heads, es),
+        CheckView("k", a.k.data, a.k.token_stride, a.k.head_stride, tk, p.num_kv_heads, es),
+        CheckView("v", a.v.data, a.v.token_stride, a.v.head_stride, tk, p.num_kv_heads, es),
+        CheckView("o", a.o.data, a.o.token_stride, a.o.head_stride, tq, p.num_heads, es)}) {
+    if (!s.ok()) return Support(Refusal::kUnaligned, std::move(s));
+  }
+  return Support();
 }
 
 }  // namespace attn::cuda

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "attn/engine.h"
 #include "attn/problem.h"
 #include "attn/tensor.h"
 
@@ -30,8 +31,9 @@ inline bool RowsAligned16(const void* data, int64_t token_stride, int64_t head_s
 }
 
 // The rule for Q, K, V and O of a forward call, where it matters: a stride is checked only when
-// there is more than one token (head) to step over. INVALID_ARGUMENT naming the tensor and the
-// field otherwise.
-absl::Status CheckRowsAligned16(const AttentionProblem& p, const ForwardArgs& args);
+// there is more than one token (head) to step over. Otherwise a kUnaligned refusal with
+// INVALID_ARGUMENT naming the tensor and the field: what the fused engine would answer if its
+// Supports saw the tensors.
+Support CheckRowsAligned16(const AttentionProblem& p, const ForwardArgs& args);
 
 }  // namespace attn::cuda

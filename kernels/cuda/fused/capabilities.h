@@ -11,7 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
-#include <type_traits>
 #include <utility>
 
 #include "attn/capability.h"
@@ -69,28 +68,39 @@ constexpr bool HasFusedDType(Pass pass, DType dtype) {
   return false;
 }
 
+namespace internal {
+
+// Row kRow's launch, when the row is of kPass and matches (dtype, head_dim).
+template <Pass kPass, size_t kRow, typename Result, typename Launch>
+bool TryRow(DType dtype, int head_dim, Launch& launch, Result& result) {
+  constexpr FusedCapability kEntry = kFusedKernels[kRow];
+  if constexpr (kEntry.pass == kPass) {
+    if (kEntry.dtype == dtype && kEntry.head_dim == head_dim) {
+      result = launch.template operator()<kEntry.dtype, kEntry.head_dim>();
+      return true;
+    }
+  }
+  return false;
+}
+
+template <Pass kPass, typename Result, typename Launch, size_t... kRows>
+Result DispatchRows(DType dtype, int head_dim, Result missing, Launch& launch,
+                    std::index_sequence<kRows...>) {
+  Result result = missing;
+  (TryRow<kPass, kRows>(dtype, head_dim, launch, result) || ...);
+  return result;
+}
+
+}  // namespace internal
+
 // The one switch from runtime shape to template arguments: calls
 // `launch.template operator()<dtype, head_dim>()` for the row of kPass matching (dtype,
 // head_dim) and returns its result, or `missing` when no row matches. Each row's call is
 // instantiated, so every row's kernel must be defined (its generated instantiation file).
 template <Pass kPass, typename Result, typename Launch>
 Result DispatchFusedKernel(DType dtype, int head_dim, Result missing, Launch&& launch) {
-  Result result = missing;
-  const auto try_row = [&]<size_t kRow>(std::integral_constant<size_t, kRow>) {
-    constexpr FusedCapability kEntry = kFusedKernels[kRow];
-    if constexpr (kEntry.pass == kPass) {
-      if (kEntry.dtype == dtype && kEntry.head_dim == head_dim) {
-        result = launch.template operator()<kEntry.dtype, kEntry.head_dim>();
-        return true;
-      }
-    }
-    return false;
-  };
-  [&]<size_t... kRows>(std::index_sequence<kRows...>) {
-    (try_row(std::integral_constant<size_t, kRows>{}) || ...);
-  }
-  (std::make_index_sequence<std::size(kFusedKernels)>{});
-  return result;
+  return internal::DispatchRows<kPass>(dtype, head_dim, missing, launch,
+                                       std::make_index_sequence<std::size(kFusedKernels)>{});
 }
 
 }  // namespace attn::cuda
