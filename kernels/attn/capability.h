@@ -11,10 +11,13 @@
 
 namespace attn {
 
-enum class Pass : uint8_t { kForward, kBackward };
+// kPagedForward: the forward over K/V in pages (attn/paged_kv.h).
+enum class Pass : uint8_t { kForward, kBackward, kPagedForward };
 
 constexpr std::string_view PassName(Pass pass) {
-  return pass == Pass::kForward ? "forward" : "backward";
+  return pass == Pass::kForward    ? "forward"
+         : pass == Pass::kBackward ? "backward"
+                                   : "paged forward";
 }
 
 // The instruction sets a row has kernels for, as bits of FusedCapability::archs.

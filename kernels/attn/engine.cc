@@ -68,6 +68,17 @@ std::ostream& operator<<(std::ostream& out, const Support& support) {
   return out << RefusalName(support.reason()) << ": " << support.status();
 }
 
+Support Engine::SupportsPagedForward(const AttentionProblem&) const {
+  return Support(Refusal::kOther,
+                 absl::UnimplementedError(absl::StrCat(std::string(name()),
+                                                       ": keys and values in pages are not "
+                                                       "supported")));
+}
+
+absl::Status Engine::ForwardPaged(const AttentionProblem& p, const PagedForwardArgs&) {
+  return SupportsPagedForward(p).status();
+}
+
 Support ValidProblemSupport(const AttentionProblem& p) {
   absl::Status valid = ValidateProblem(p);
   if (valid.ok()) return Support();

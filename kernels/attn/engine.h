@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attn/capability.h"
+#include "attn/paged_kv.h"
 #include "attn/problem.h"
 #include "attn/tensor.h"
 
@@ -93,6 +94,11 @@ class Engine {
   virtual absl::Status Forward(const AttentionProblem& p, const ForwardArgs& args) = 0;
   // Computes dQ, dK, dV from Q, K, V, O, dO and the forward LSE.
   virtual absl::Status Backward(const AttentionProblem& p, const BackwardArgs& args) = 0;
+
+  // The forward with K and V read through a block table (attn/paged_kv.h): KV sessions'
+  // prefill and decode steps. Engines without it refuse (kOther) and return UNIMPLEMENTED.
+  virtual Support SupportsPagedForward(const AttentionProblem& p) const;
+  virtual absl::Status ForwardPaged(const AttentionProblem& p, const PagedForwardArgs& args);
 };
 
 // The functions below answer for every engine kind, so they are defined by the registry

@@ -13,6 +13,12 @@ class HostEngine : public Engine {
   MemorySpace memory_space() const final { return MemorySpace::kHost; }
   Support SupportsForward(const AttentionProblem& p) const final { return ValidProblemSupport(p); }
   Support SupportsBackward(const AttentionProblem& p) const final { return ValidProblemSupport(p); }
+  Support SupportsPagedForward(const AttentionProblem& p) const final {
+    return ValidProblemSupport(p);
+  }
+  // Gathers each sequence's keys and values out of their pages, then runs Forward: what an
+  // engine without a paged pass of its own (the float64 reference) does.
+  absl::Status ForwardPaged(const AttentionProblem& p, const PagedForwardArgs& a) override;
 
  protected:
   // `pool_name` names the worker threads (see ThreadPool).

@@ -43,6 +43,12 @@ class CpuTiledEngine final : public cpu::HostEngine {
     cpu::TiledBackward(p, a, pool());
     return absl::OkStatus();
   }
+
+  absl::Status ForwardPaged(const AttentionProblem& p, const PagedForwardArgs& a) override {
+    ATTN_RETURN_IF_ERROR(ValidatePagedForward(p, a));
+    cpu::TiledForwardPaged(p, a, pool());
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace

@@ -9,6 +9,8 @@
 //   alpha = exp(m - m_new),  P = exp(S - m_new),
 //   acc = acc * alpha + P V,  l = l * alpha + rowsum(P),  m = m_new.
 // At the end O = acc / l and LSE = m + log(l). No query-length x key-length buffer exists.
+// Keys and values come from dense [total_k, kv_heads, d] tensors or, for KV sessions, from pages
+// through a block table (attn/paged_kv.h); only where a key row is found differs.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -133,12 +135,37 @@ ATTN_CPU_CLONES void ForwardFullTile(int rows, int d, int cols, float scale,
     AccumulateRows<1>(s + i * kBlockK, kBlockK, 1, cols, v, d, acc + i * d, d, d);
 }
 
-void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBlock& blk, int h,
-                  ForwardScratch& sc) {
+// Where sequence b's key token t of KV head h is: element offsets of its K and V rows.
+struct DenseKeys {
+  const void* k;
+  const void* v;
+  TensorRef k_ref, v_ref;
+  const std::vector<int32_t>& cu_seqlens_k;
+  int64_t KOffset(int b, int64_t t, int h) const { return k_ref.offset(cu_seqlens_k[b] + t, h); }
+  int64_t VOffset(int b, int64_t t, int h) const { return v_ref.offset(cu_seqlens_k[b] + t, h); }
+};
+
+struct PagedKeys {
+  const void* k;  // the pool; V rows are v_offset elements after their K rows
+  const void* v;
+  const PagedKV& kv;
+  int64_t token_stride, v_offset;
+  int head_dim;
+  int shift;  // log2(page_tokens)
+  int64_t KOffset(int b, int64_t t, int h) const {
+    const int64_t page = kv.block_table[static_cast<int64_t>(b) * kv.max_blocks + (t >> shift)];
+    return page * kv.page_stride + (t & (kv.page_tokens - 1)) * token_stride +
+           static_cast<int64_t>(h) * head_dim;
+  }
+  int64_t VOffset(int b, int64_t t, int h) const { return KOffset(b, t, h) + v_offset; }
+};
+
+template <typename Keys>
+void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const Keys& keys,
+                  const RowBlock& blk, int h, ForwardScratch& sc) {
   const int d = p.head_dim;
   const int kvh = h / p.group_size();
   const int64_t q_start = p.cu_seqlens_q[blk.b] + blk.row0;
-  const int64_t k_start = p.cu_seqlens_k[blk.b];
   const int64_t lk = p.seqlen_k(blk.b);
   const float scale = p.scale();
 
@@ -160,9 +187,9 @@ void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBloc
   for (int64_t k0 = first_key / kBlockK * kBlockK; k0 < last_key; k0 += kBlockK) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockK, lk - k0));
     for (int j = 0; j < cols; ++j) {
-      LoadRow(a.k.data, p.dtype, a.k.offset(k_start + k0 + j, kvh), d, sc.row.data());
+      LoadRow(keys.k, p.dtype, keys.KOffset(blk.b, k0 + j, kvh), d, sc.row.data());
       for (int c = 0; c < d; ++c) sc.kt[c * kBlockK + j] = sc.row[c];
-      LoadRow(a.v.data, p.dtype, a.v.offset(k_start + k0 + j, kvh), d, &sc.v[j * d]);
+      LoadRow(keys.v, p.dtype, keys.VOffset(blk.b, k0 + j, kvh), d, &sc.v[j * d]);
     }
     bool full = true;
     for (int i = 0; i < blk.rows; ++i) {
@@ -195,18 +222,37 @@ void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const RowBloc
   }
 }
 
-}  // namespace
-
-void TiledForward(const AttentionProblem& p, const ForwardArgs& a, ThreadPool& pool) {
+template <typename Keys>
+void RunForward(const AttentionProblem& p, const ForwardArgs& a, const Keys& keys,
+                ThreadPool& pool) {
   const std::vector<RowBlock> blocks = SplitRows(p.cu_seqlens_q, kBlockQ);
   std::vector<ForwardScratch> scratch(pool.num_workers(), ForwardScratch(p.head_dim));
   // Head-major item order: a worker's consecutive items stream the same head's K/V, which then
   // stays in cache.
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   pool.ParallelFor(num_blocks * p.num_heads, [&](int worker, int64_t item) {
-    ForwardBlock(p, a, blocks[item % num_blocks], static_cast<int>(item / num_blocks),
+    ForwardBlock(p, a, keys, blocks[item % num_blocks], static_cast<int>(item / num_blocks),
                  scratch[worker]);
   });
+}
+
+}  // namespace
+
+void TiledForward(const AttentionProblem& p, const ForwardArgs& a, ThreadPool& pool) {
+  RunForward(p, a, DenseKeys{a.k.data, a.v.data, a.k, a.v, p.cu_seqlens_k}, pool);
+}
+
+void TiledForwardPaged(const AttentionProblem& p, const PagedForwardArgs& a, ThreadPool& pool) {
+  ForwardArgs rows;  // Q, O and the LSE as the dense pass takes them
+  rows.q = a.q;
+  rows.o = a.o;
+  rows.lse = a.lse;
+  int shift = 0;
+  while ((1 << shift) < a.kv.page_tokens) ++shift;
+  RunForward(p, rows,
+             PagedKeys{a.kv.pages, a.kv.pages, a.kv, PagedKV::TokenStride(p), a.kv.v_offset(p),
+                       p.head_dim, shift},
+             pool);
 }
 
 }  // namespace attn::cpu

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attn/paged_kv.h"
 #include "attn/problem.h"
 #include "attn/tensor.h"
 #include "cpu/thread_pool.h"
@@ -22,6 +23,8 @@ std::vector<RowBlock> SplitRows(const std::vector<int32_t>& cu_seqlens, int bloc
 
 // O (and the LSE when a.lse is set) by IO-aware tiling with online softmax.
 void TiledForward(const AttentionProblem& p, const ForwardArgs& a, ThreadPool& pool);
+// The same with K and V read through a block table (attn/paged_kv.h).
+void TiledForwardPaged(const AttentionProblem& p, const PagedForwardArgs& a, ThreadPool& pool);
 
 // dQ, dK, dV by recomputing P tile by tile from the forward LSE.
 void TiledBackward(const AttentionProblem& p, const BackwardArgs& a, ThreadPool& pool);

@@ -184,6 +184,12 @@ absl::Status CudaEngineAvailable(EngineKind kind, const EngineOptions& options) 
 
 Support CudaEngineSupports(EngineKind kind, Pass pass, const AttentionProblem& p,
                            const EngineOptions& options) {
+  if (pass == Pass::kPagedForward) {
+    return Support(Refusal::kOther,
+                   absl::UnimplementedError(absl::StrCat(std::string(EngineKindName(kind)),
+                                                         ": keys and values in pages are not "
+                                                         "supported")));
+  }
   if (kind == EngineKind::kCudaFused) return cuda::FusedSupports(pass, p);
   return cuda::NaiveSupports(pass, p, options.workspace_limit_bytes);
 }

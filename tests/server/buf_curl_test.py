@@ -29,7 +29,9 @@ BUF_VERSION = "1.75.0"  # the version this test was written against; a different
 PROTOCOLS = ("grpc-v1", "grpc-v1alpha")
 SERVICES = {
     "attnserve.v1.AttentionService": {"Attend", "AttendBackward", "AttendStream", "GetServerInfo",
-                                      "RegisterSharedMemory", "UnregisterSharedMemory"},
+                                      "RegisterSharedMemory", "UnregisterSharedMemory",
+                                      "CreateSession", "GetSession", "ListSessions",
+                                      "DeleteSession", "AppendKV"},
     "grpc.health.v1.Health": {"Check", "Watch"},
     "grpc.reflection.v1.ServerReflection": {"ServerReflectionInfo"},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo"},

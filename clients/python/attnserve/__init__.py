@@ -20,7 +20,7 @@ from importlib import metadata as _metadata
 from attnserve.aio import AsyncClient
 from attnserve.client import Client
 from attnserve.errors import AttnServeError
-from attnserve.records import BatchInfo, Device, Limits, ServerInfo, Stats, Timing
+from attnserve.records import BatchInfo, Device, Limits, ServerInfo, SessionLimits, Stats, Timing
 from attnserve.results import AttendResult
 from attnserve.shared_memory import SharedMemoryRegion
 
@@ -30,4 +30,5 @@ except _metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0+unknown"
 
 __all__ = ["AsyncClient", "AttendResult", "AttnServeError", "BatchInfo", "Client", "Device",
-           "Limits", "ServerInfo", "SharedMemoryRegion", "Stats", "Timing", "__version__"]
+           "Limits", "ServerInfo", "SessionLimits", "SharedMemoryRegion", "Stats", "Timing",
+           "__version__"]

@@ -48,6 +48,15 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class SessionLimits:
+    page_bytes: int  # 0: the server offers no KV sessions
+    pool_bytes: int  # per device
+    max_tokens: int  # a session's default (and largest) length
+    default_ttl_seconds: int
+    max_sessions: int  # per identity
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     version: str
     devices: Tuple[Device, ...]
@@ -62,6 +71,7 @@ class ServerInfo:
     backward_engines: Tuple[str, ...]  # empty: no training (backward) on this server
     shared_memory: bool
     shared_memory_socket: str  # where SharedMemoryRegion passes its descriptor; "" = disabled
+    sessions: SessionLimits
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,8 @@ class BatchInfo:
     tokens: int  # query + key tokens of the whole batch
 
 
-_RECORDS = {cls.__name__: cls for cls in (Device, Limits, Stats, ServerInfo, Timing, BatchInfo)}
+_RECORDS = {cls.__name__: cls for cls in (Device, Limits, Stats, SessionLimits, ServerInfo, Timing,
+                                          BatchInfo)}
 
 
 def from_message(cls, message):
