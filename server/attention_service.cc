@@ -1,6 +1,7 @@
 #include "server/attention_service.h"
 
 #include <chrono>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,9 +10,16 @@
 #include "server/grpc_status.h"
 #include "server/logging.h"
 #include "server/response_writer.h"
+#include "server/session_service.h"
 
 namespace attnserve {
 namespace {
+
+attn::MemorySpace SpaceOf(attn::EngineKind kind) {
+  return kind == attn::EngineKind::kCudaFused || kind == attn::EngineKind::kCudaNaive
+             ? attn::MemorySpace::kDevice
+             : attn::MemorySpace::kHost;
+}
 
 bool PathRuns(v1::Path path, attn::EngineKind kind) {
   switch (path) {
@@ -111,7 +119,8 @@ absl::Time AttentionService::DeadlineOf(const grpc::ServerContextBase& context) 
   return absl::FromChrono(deadline);
 }
 
-absl::StatusOr<Identity> AttentionService::CheckCall(const grpc::ServerContextBase& context) const {
+absl::StatusOr<Identity> AttentionService::Authenticate(
+    const grpc::ServerContextBase& context) const {
   absl::string_view authorization;
   bool has_authorization = false;
   const auto& metadata = context.client_metadata();
@@ -119,8 +128,11 @@ absl::StatusOr<Identity> AttentionService::CheckCall(const grpc::ServerContextBa
     authorization = absl::string_view(it->second.data(), it->second.size());
     has_authorization = true;
   }
-  absl::StatusOr<Identity> caller =
-      options_.authenticator->Authenticate(has_authorization ? &authorization : nullptr);
+  return options_.authenticator->Authenticate(has_authorization ? &authorization : nullptr);
+}
+
+absl::StatusOr<Identity> AttentionService::CheckCall(const grpc::ServerContextBase& context) const {
+  absl::StatusOr<Identity> caller = Authenticate(context);
   if (!caller.ok()) return caller.status();
   if (draining_.load()) {
     return absl::UnavailableError("server: shutting down, not accepting requests");
@@ -147,7 +159,8 @@ bool AttentionService::AwaitNoCalls(absl::Time deadline) {
 }
 
 absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
-    const attn::AttentionProblem& problem, v1::Path path, bool backward) {
+    const attn::AttentionProblem& problem, v1::Path path, attn::Pass pass,
+    std::optional<attn::MemorySpace> space) const {
   absl::Status last = absl::InvalidArgumentError(
       absl::StrCat("path: ", v1::Path_Name(path), " is not available on this server"));
   // For the metrics: why the chosen engine, when AUTO passed over a GPU engine or had none.
@@ -159,9 +172,9 @@ absl::StatusOr<AttentionService::EngineChoice> AttentionService::ChooseEngine(
       reason = Metrics::PathReason::kAuto;
     }
   }
-  const attn::Pass pass = backward ? attn::Pass::kBackward : attn::Pass::kForward;
   for (size_t i = 0; i < kinds_.size(); ++i) {
     if (!PathRuns(path, kinds_[i])) continue;
+    if (space.has_value() && SpaceOf(kinds_[i]) != *space) continue;
     const attn::Support support =
         attn::EngineSupports(kinds_[i], pass, problem, options_.engine_options);
     if (support.ok()) {
@@ -189,6 +202,13 @@ absl::Status AttentionService::Admit(Metrics::Method method, const Identity& cal
   if (draining_.load()) {
     return absl::UnavailableError("server: shutting down, not accepting requests");
   }
+  if (!request.session_id().empty()) {
+    if (sessions_ == nullptr) {
+      return absl::FailedPreconditionError("session_id: this server offers no KV sessions");
+    }
+    return sessions_->AdmitStep(method, caller, request, response, deadline, std::move(cancelled),
+                                std::move(done));
+  }
   const SharedMemoryScope scope(&shared_memory_, caller);
   absl::StatusOr<DecodedForward> decoded =
       DecodeAttendRequest(request, options_.limits, shared_memory_enabled() ? &scope : nullptr);
@@ -197,7 +217,7 @@ absl::Status AttentionService::Admit(Metrics::Method method, const Identity& cal
   work->request = *std::move(decoded);
   const attn::AttentionProblem& problem = work->request.problem;
   ATTN_ASSIGN_OR_RETURN(const EngineChoice engine,
-                        ChooseEngine(problem, work->request.path, /*backward=*/false));
+                        ChooseEngine(problem, work->request.path, attn::Pass::kForward));
   work->batch = BatchKey::Of(engine.index, problem);
   work->tokens = work->request.tokens();
   work->bytes = WorkingSetBytes(problem);
@@ -223,7 +243,7 @@ absl::Status AttentionService::AdmitBackward(const Identity& caller,
   work->request = *std::move(decoded);
   const attn::AttentionProblem& problem = work->request.problem();
   ATTN_ASSIGN_OR_RETURN(const EngineChoice engine,
-                        ChooseEngine(problem, work->request.forward.path, /*backward=*/true));
+                        ChooseEngine(problem, work->request.forward.path, attn::Pass::kBackward));
   work->tokens = work->request.forward.tokens();
   work->bytes = BackwardWorkingSetBytes(problem);
   BindOutputs(work.get(), response);
@@ -348,6 +368,61 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
   }
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+// The session RPCs: the call's checks here, the rest in SessionService.
+namespace {
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* SessionCall(
+    AttentionService* service, SessionService* sessions, grpc::CallbackServerContext* context,
+    const Request& request, Response* response,
+    absl::Status (SessionService::*handler)(const Identity&, const Request&, Response*)) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Identity> caller = service->CheckCall(*context);
+  absl::Status status = caller.status();
+  // Reading and deleting sessions stays open while draining; creating one does not (CheckCall).
+  if (absl::IsUnavailable(status) && !std::is_same_v<Request, v1::CreateSessionRequest>) {
+    caller = service->Authenticate(*context);
+    status = caller.status();
+  }
+  if (status.ok() && sessions == nullptr) {
+    status = absl::FailedPreconditionError("session: this server offers no KV sessions");
+  }
+  if (status.ok()) status = (sessions->*handler)(*caller, request, response);
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionService::CreateSession(grpc::CallbackServerContext* context,
+                                                          const v1::CreateSessionRequest* request,
+                                                          v1::Session* response) {
+  return SessionCall(this, sessions_, context, *request, response, &SessionService::Create);
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetSession(grpc::CallbackServerContext* context,
+                                                       const v1::GetSessionRequest* request,
+                                                       v1::Session* response) {
+  return SessionCall(this, sessions_, context, *request, response, &SessionService::Get);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ListSessions(grpc::CallbackServerContext* context,
+                                                         const v1::ListSessionsRequest* request,
+                                                         v1::ListSessionsResponse* response) {
+  return SessionCall(this, sessions_, context, *request, response, &SessionService::List);
+}
+
+grpc::ServerUnaryReactor* AttentionService::DeleteSession(grpc::CallbackServerContext* context,
+                                                          const v1::DeleteSessionRequest* request,
+                                                          v1::DeleteSessionResponse* response) {
+  return SessionCall(this, sessions_, context, *request, response, &SessionService::Delete);
+}
+
+grpc::ServerReadReactor<v1::AppendKVRequest>* AttentionService::AppendKV(
+    grpc::CallbackServerContext* context, v1::AppendKVResponse* response) {
+  return SessionService::StartAppend(this, sessions_, context, response);
 }
 
 }  // namespace attnserve

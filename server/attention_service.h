@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,7 +35,14 @@ using AttentionServiceBase = v1::AttentionService::WithCallbackMethod_Attend<
             v1::AttentionService::WithCallbackMethod_GetServerInfo<
                 v1::AttentionService::WithCallbackMethod_RegisterSharedMemory<
                     v1::AttentionService::WithCallbackMethod_UnregisterSharedMemory<
-                        v1::AttentionService::Service>>>>>>;
+                        v1::AttentionService::WithCallbackMethod_CreateSession<
+                            v1::AttentionService::WithCallbackMethod_GetSession<
+                                v1::AttentionService::WithCallbackMethod_ListSessions<
+                                    v1::AttentionService::WithCallbackMethod_DeleteSession<
+                                        v1::AttentionService::WithCallbackMethod_AppendKV<
+                                            v1::AttentionService::Service>>>>>>>>>>>;
+
+class SessionService;
 
 class AttentionService final : public AttentionServiceBase {
  public:
@@ -72,6 +80,23 @@ class AttentionService final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* UnregisterSharedMemory(
       grpc::CallbackServerContext* context, const v1::UnregisterSharedMemoryRequest* request,
       v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const v1::CreateSessionRequest* request,
+                                          v1::Session* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::Session* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
+                                          const v1::DeleteSessionRequest* request,
+                                          v1::DeleteSessionResponse* response) override;
+  grpc::ServerReadReactor<v1::AppendKVRequest>* AppendKV(grpc::CallbackServerContext* context,
+                                                         v1::AppendKVResponse* response) override;
+
+  // KV sessions' RPCs and steps go to `sessions` (never attached: not offered). Before serving.
+  void AttachSessions(SessionService* sessions) { sessions_ = sessions; }
 
   // From now on new requests get UNAVAILABLE; accepted ones run to the end.
   void StartDraining() { draining_.store(true); }
@@ -81,6 +106,8 @@ class AttentionService final : public AttentionServiceBase {
   // Used by the reactors and StreamFrontend: the caller's identity, or UNAUTHENTICATED, or
   // UNAVAILABLE once draining.
   absl::StatusOr<Identity> CheckCall(const grpc::ServerContextBase& context) const;
+  // The caller's identity, or UNAUTHENTICATED, draining or not.
+  absl::StatusOr<Identity> Authenticate(const grpc::ServerContextBase& context) const;
   // The call's deadline; InfiniteFuture when it has none.
   static absl::Time DeadlineOf(const grpc::ServerContextBase& context);
   // CheckCall, then shared memory enabled and the peer on this host.
@@ -106,17 +133,27 @@ class AttentionService final : public AttentionServiceBase {
   // Waits until no call is in progress or `deadline`; true when none is.
   bool AwaitNoCalls(absl::Time deadline);
 
- private:
   struct EngineChoice {
     int index = 0;  // into kinds_ and every lane's engines
     Metrics::PathReason reason = Metrics::PathReason::kAuto;
   };
-  absl::StatusOr<EngineChoice> ChooseEngine(const attn::AttentionProblem& problem, v1::Path path,
-                                            bool backward);
+  // The first engine in AUTO's order (or the one `path` names) that runs `pass` of the problem
+  // and, when given, works in `space` (a session step must run where its pages are).
+  absl::StatusOr<EngineChoice> ChooseEngine(
+      const attn::AttentionProblem& problem, v1::Path path, attn::Pass pass,
+      std::optional<attn::MemorySpace> space = std::nullopt) const;
   // Stamps the work with its engine and admission facts and queues it.
   absl::Status Submit(Metrics::Method method, const EngineChoice& engine, absl::Time deadline,
                       std::shared_ptr<const std::atomic<bool>> cancelled,
                       std::unique_ptr<Work> work);
+  // The resolver a caller's shared-memory references go through (null: shared memory off).
+  const SharedMemoryResolver* SharedMemoryFor(const SharedMemoryScope& scope) const {
+    return shared_memory_enabled() ? &scope : nullptr;
+  }
+  const SharedMemoryRegistry& shared_memory() const { return shared_memory_; }
+  const DecodeLimits& limits() const { return options_.limits; }
+
+ private:
   bool shared_memory_enabled() const { return options_.descriptor_socket != nullptr; }
 
   const Options options_;
@@ -130,6 +167,7 @@ class AttentionService final : public AttentionServiceBase {
   int64_t calls_in_progress_ ABSL_GUARDED_BY(calls_mu_) = 0;
 
   const std::vector<attn::EngineKind> kinds_;  // the lanes' engines
+  SessionService* sessions_ = nullptr;
 };
 
 }  // namespace attnserve

@@ -53,6 +53,21 @@ absl::Status Config::Validate() const {
   if (max_stream_buffer_bytes < (int64_t{1} << 16)) {
     return bad("max_stream_buffer_bytes", max_stream_buffer_bytes, "must be >= 64 KiB");
   }
+  if (kv_page_bytes < 256 || kv_page_bytes % 256 != 0 || kv_page_bytes > (int64_t{64} << 20)) {
+    return bad("kv_page_bytes", kv_page_bytes, "must be a multiple of 256 in [256, 64 MiB]");
+  }
+  if (kv_pool_bytes > 0 && kv_pool_bytes < kv_page_bytes) {
+    return bad("kv_pool_bytes", kv_pool_bytes, "must hold at least one page (--kv_page_bytes)");
+  }
+  if (session_max_tokens < 1 || session_max_tokens > std::numeric_limits<int32_t>::max()) {
+    return bad("session_max_tokens", session_max_tokens, "must be in [1, 2^31)");
+  }
+  if (session_ttl <= absl::ZeroDuration()) {
+    return bad("session_ttl", absl::FormatDuration(session_ttl), "must be > 0");
+  }
+  if (max_sessions_per_identity < 1) {
+    return bad("max_sessions_per_identity", max_sessions_per_identity, "must be >= 1");
+  }
   if (drain_timeout < absl::ZeroDuration()) {
     return bad("drain_timeout", absl::FormatDuration(drain_timeout), "must be >= 0");
   }

@@ -57,6 +57,14 @@ struct Config {
   // Per AttendStream call: bytes of responses waiting for the client before reading pauses.
   int64_t max_stream_buffer_bytes = int64_t{64} << 20;
 
+  // KV sessions (server/session_store.h). kv_pool_bytes per device; 0: a quarter of the
+  // device's free memory on a GPU, 1 GiB of host memory on the CPU; negative: no sessions.
+  int64_t kv_pool_bytes = 0;
+  int64_t kv_page_bytes = 128 << 10;
+  int64_t session_max_tokens = 1 << 20;
+  absl::Duration session_ttl = absl::Minutes(10);
+  int max_sessions_per_identity = 1024;
+
   absl::Duration drain_timeout = absl::Seconds(30);
 
   // Prometheus exporter: http://metrics_address/metrics. Port 0 picks a free port; empty

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -256,6 +257,24 @@ absl::Status DevicePool::CopyToDevice(int64_t offset, int64_t bytes) {
   return CudaCheck(cudaMemcpyAsync(device_ + offset, host_ + offset, bytes, cudaMemcpyHostToDevice,
                                    static_cast<cudaStream_t>(stream_)),
                    "cudaMemcpyAsync(host to device)");
+#else
+  return absl::UnavailableError("device pool: this build has no CUDA support");
+#endif
+}
+
+absl::Status DevicePool::CopyFromRegion(const std::vector<RegionCopy>& copies) {
+  if (copies.empty()) return absl::OkStatus();
+  if (space_ != attn::MemorySpace::kDevice) {
+    for (const RegionCopy& c : copies) {
+      std::memcpy(c.dst, host_ + c.offset, static_cast<size_t>(c.bytes));
+    }
+    return absl::OkStatus();
+  }
+#if defined(ATTN_HAVE_CUDA)
+  std::vector<attn::cuda::CopySpan> spans;
+  spans.reserve(copies.size());
+  for (const RegionCopy& c : copies) spans.push_back({device_ + c.offset, c.dst, c.bytes});
+  return attn::cuda::CopySpansAsync(spans, static_cast<cudaStream_t>(stream_));
 #else
   return absl::UnavailableError("device pool: this build has no CUDA support");
 #endif

@@ -95,6 +95,15 @@ class DevicePool {
   };
   absl::Status CopyManyToDevice(const std::vector<HostCopy>& copies);
   absl::Status CopyManyToHost(const std::vector<HostCopy>& copies);
+  // Copies from the pool's region (an offset, as the engine sees it) to memory of the same space
+  // outside it (KV pages): one kernel for all of them on a device pool, memcpy on a host pool.
+  // Asynchronous on stream(); destinations must not overlap.
+  struct RegionCopy {
+    int64_t offset;  // into the region (device() for device pools, host() for host pools)
+    void* dst;
+    int64_t bytes;
+  };
+  absl::Status CopyFromRegion(const std::vector<RegionCopy>& copies);
   // Whether CopyMany moves `copies` with a kernel rather than the copy engines: many copies, on
   // average small, and a device that addresses registered host memory by its host pointers.
   bool UseCopyKernel(const std::vector<HostCopy>& copies) const;

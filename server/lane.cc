@@ -89,7 +89,7 @@ Lane::~Lane() {
 
 void Lane::Loop() {
   while (true) {
-    Batch batch = batcher_->Next();
+    Batch batch = batcher_->Next(parts_.device_slot);
     if (batch.empty()) return;
     Run(std::move(batch));
   }
@@ -139,16 +139,39 @@ void Lane::Run(Batch batch) {
   }
 
   absl::Status status;
-  if (live.front()->kind == WorkKind::kBackward) {  // never batched
-    status = RunBackward(static_cast<BackwardWork&>(*live.front()), &report);
-  } else {
-    std::vector<ForwardWork*> forwards;
-    for (auto& work : live) forwards.push_back(static_cast<ForwardWork*>(work.get()));
-    Launched launched;
-    status = RunForward(forwards, &report, &launched);
-    // Every O leaves the staging region before the next batch reuses it.
-    if (status.ok()) CopyOutputs(launched, forwards);
+  switch (live.front()->kind) {
+    case WorkKind::kBackward:  // never batched
+      status = RunBackward(static_cast<BackwardWork&>(*live.front()), &report);
+      break;
+    case WorkKind::kAppend:  // never batched
+      status = RunAppend(static_cast<AppendWork&>(*live.front()), &report);
+      break;
+    case WorkKind::kSessionStep: {
+      std::vector<SessionStepWork*> steps;
+      for (auto& work : live) steps.push_back(static_cast<SessionStepWork*>(work.get()));
+      status = RunSessionSteps(steps, &report);
+      break;
+    }
+    case WorkKind::kForward: {
+      std::vector<ForwardWork*> forwards;
+      std::vector<OutputPlan> plans;
+      for (auto& work : live) {
+        auto* f = static_cast<ForwardWork*>(work.get());
+        forwards.push_back(f);
+        plans.push_back({f->request.problem.total_q(), &f->o, &f->lse, false});
+      }
+      Launched launched;
+      status = RunForward(forwards, &report, &launched);
+      // Every O leaves the staging region before the next batch reuses it.
+      if (status.ok()) {
+        for (size_t i = 0; i < plans.size(); ++i) plans[i].o_direct = launched.o_direct[i];
+        CopyOutputs(launched, plans);
+      }
+      break;
+    }
   }
+  // What the batch wrote is in place (appends committed): the next work of its sessions may go.
+  batcher_->Release(live);
   metrics_->OnBatch(static_cast<int>(live.size()));
   for (auto& work : live) work->report = report;
   Finish(std::move(live), status, now);
@@ -160,8 +183,9 @@ void Lane::Finish(Batch live, const absl::Status& status, absl::Time started) {
   // it.
   auto finish = [this, status, started, end](Batch& works) {
     for (auto& work : works) {
-      metrics_->OnFinished(work->method, status, started - work->accepted, end - work->accepted);
-      work->done(status, *work);
+      const absl::Status& s = work->failure.ok() ? status : work->failure;
+      metrics_->OnFinished(work->method, s, started - work->accepted, end - work->accepted);
+      work->done(s, *work);
     }
     works.clear();
   };
@@ -202,20 +226,19 @@ void Lane::RunCopies(const std::vector<CopyTask>& copies) {
   });
 }
 
-void Lane::CopyOutputs(const Launched& launched, const std::vector<ForwardWork*>& batch) {
+void Lane::CopyOutputs(const Launched& launched, const std::vector<OutputPlan>& plans) {
   const attn::AttentionProblem& p = launched.problem;
   const int64_t total_q = p.total_q();
   std::vector<CopyTask> copies;
   int64_t q_first = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const ForwardWork& work = *batch[i];
-    const int64_t nq = work.request.problem.total_q();
-    if (launched.o != nullptr && nq > 0 && !launched.o_direct[i]) {
-      copies.push_back({work.o.Get(nq * launched.q_row), launched.o + q_first * launched.q_row,
+  for (const OutputPlan& plan : plans) {
+    const int64_t nq = plan.rows;
+    if (launched.o != nullptr && nq > 0 && !plan.o_direct) {
+      copies.push_back({plan.o->Get(nq * launched.q_row), launched.o + q_first * launched.q_row,
                         nq * launched.q_row});
     }
-    if (work.lse.wanted()) {
-      std::byte* lse = work.lse.Get(p.num_heads * nq * 4);
+    if (plan.lse != nullptr && plan.lse->wanted()) {
+      std::byte* lse = plan.lse->Get(p.num_heads * nq * 4);
       for (int h = 0; h < p.num_heads; ++h) {
         std::memcpy(lse + h * nq * 4, launched.lse + h * total_q + q_first,
                     static_cast<size_t>(nq * 4));
@@ -439,6 +462,208 @@ absl::Status Lane::RunBackward(BackwardWork& work, ExecutionReport* report) {
   RunCopies({{work.dq.Get(sizes.q), host + at.dq, sizes.q},
              {work.dk.Get(sizes.kv), host + at.dk, sizes.kv},
              {work.dv.Get(sizes.kv), host + at.dv, sizes.kv}});
+  return absl::OkStatus();
+}
+
+absl::Status Lane::RunAppend(AppendWork& work, ExecutionReport* report) {
+  Session& session = work.append->session();
+  KvPagePool* kv = parts_.kv_pool;
+  if (kv == nullptr || &session.pool() != kv) {
+    return absl::InternalError("lane: an append reached a lane of another device");
+  }
+  ATTN_ASSIGN_OR_RETURN(std::vector<SessionAppend::RowSpan> spans, work.append->Extend(work.rows));
+  const int64_t row = session.row_bytes();
+  const int64_t bytes = work.rows * row;
+  if (kv->space() == attn::MemorySpace::kHost) {  // the pages are host memory: copy straight in
+    std::vector<CopyTask> copies;
+    for (const SessionAppend::RowSpan& s : spans) {
+      const int64_t from = s.first_row * row, n = s.rows * row;
+      copies.push_back(
+          {kv->base() + s.k_offset, reinterpret_cast<const std::byte*>(work.k) + from, n});
+      copies.push_back(
+          {kv->base() + s.v_offset, reinterpret_cast<const std::byte*>(work.v) + from, n});
+    }
+    RunCopies(copies);
+  } else {
+    DevicePool* pool = parts_.device_pool.get();
+    if (pool == nullptr) return absl::InternalError("lane: no device pool for the KV pages");
+    PoolUse use(pool, metrics_);
+    ATTN_RETURN_IF_ERROR(use.Acquire(2 * bytes + kStagingAlign));
+    const int64_t v_at = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    RunCopies({{pool->host(), reinterpret_cast<const std::byte*>(work.k), bytes},
+               {pool->host() + v_at, reinterpret_cast<const std::byte*>(work.v), bytes}});
+    ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, v_at + bytes));
+    std::vector<DevicePool::RegionCopy> scatter;
+    for (const SessionAppend::RowSpan& s : spans) {
+      const int64_t from = s.first_row * row, n = s.rows * row;
+      scatter.push_back({from, kv->base() + s.k_offset, n});
+      scatter.push_back({v_at + from, kv->base() + s.v_offset, n});
+    }
+    ATTN_RETURN_IF_ERROR(pool->CopyFromRegion(scatter));
+    ATTN_RETURN_IF_ERROR(pool->Synchronize());
+  }
+  report->computed = absl::Now();
+  metrics_->OnSessionAppend(kv->label(), 2 * bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Lane::RunSessionSteps(const std::vector<SessionStepWork*>& batch,
+                                   ExecutionReport* report) {
+  KvPagePool* kv = parts_.kv_pool;
+  if (kv == nullptr) return absl::InternalError("lane: session steps on a lane without pages");
+  attn::Engine& engine = *parts_.engines[batch.front()->engine];
+  DevicePool* pool = PoolFor(engine);
+  if (pool == nullptr) return absl::InternalError("lane: no pool for the engine");
+
+  // Each step's view of its session: the committed keys, or (appending) the keys it adds too.
+  struct Step {
+    SessionStepWork* work;
+    std::unique_ptr<SessionAppend> append;
+    std::vector<SessionAppend::RowSpan> spans;
+    Session::Snapshot keys;
+  };
+  std::vector<Step> steps;
+  for (SessionStepWork* work : batch) {
+    Step step{work, nullptr, {}, {}};
+    if (&work->session->pool() != kv) {
+      work->failure = absl::InternalError("lane: a session step reached a lane of another device");
+      continue;
+    }
+    if (work->append) {
+      absl::StatusOr<std::unique_ptr<SessionAppend>> open =
+          SessionAppend::Open(work->session.shared());
+      absl::StatusOr<std::vector<SessionAppend::RowSpan>> spans =
+          open.ok() ? (*open)->Extend(work->request.problem.total_k()) : open.status();
+      if (!spans.ok()) {
+        work->failure = spans.status();
+        continue;
+      }
+      step.spans = *std::move(spans);
+      step.append = *std::move(open);
+      step.keys = step.append->Pending();
+    } else {
+      step.keys = work->session->Read();
+    }
+    steps.push_back(std::move(step));
+  }
+  if (steps.empty()) return absl::OkStatus();  // every step failed on its own
+
+  // One variable-length problem over every step: its query rows, its session's keys.
+  const SessionStepWork& first = *steps.front().work;
+  attn::AttentionProblem p = first.request.problem;
+  p.cu_seqlens_q.assign(1, 0);
+  p.cu_seqlens_k.assign(1, 0);
+  int max_blocks = 1;
+  int64_t appended_rows = 0;
+  bool want_lse = false;
+  for (const Step& step : steps) {
+    p.cu_seqlens_q.push_back(p.cu_seqlens_q.back() +
+                             static_cast<int32_t>(step.work->request.problem.total_q()));
+    p.cu_seqlens_k.push_back(p.cu_seqlens_k.back() + static_cast<int32_t>(step.keys.tokens));
+    max_blocks = std::max(max_blocks, static_cast<int>(step.keys.pages.size()));
+    appended_rows += step.work->request.problem.total_k();
+    want_lse = want_lse || step.work->lse.wanted();
+  }
+  const Session& geometry = *first.session.get();
+  const int64_t es = attn::DTypeSize(p.dtype);
+  const int64_t q_row = int64_t{p.num_heads} * p.head_dim * es;
+  const int64_t kv_row = geometry.row_bytes();
+  const int64_t total_q = p.total_q();
+  auto align = [](int64_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; };
+  // Staging: Q, the appended K and V rows, the block table; then O and the LSE.
+  const int64_t q_at = 0;
+  const int64_t k_at = align(q_at + total_q * q_row);
+  const int64_t v_at = align(k_at + appended_rows * kv_row);
+  const int64_t table_at = align(v_at + appended_rows * kv_row);
+  const int64_t o_at = align(table_at + int64_t{p.batch()} * max_blocks * 4);
+  const int64_t lse_at = align(o_at + total_q * q_row);
+  const int64_t end = lse_at + (want_lse ? total_q * p.num_heads * 4 : 0);
+  PoolUse use(pool, metrics_);
+  ATTN_RETURN_IF_ERROR(use.Acquire(end));
+  std::byte* host = pool->host();
+
+  std::vector<CopyTask> copies;
+  std::vector<DevicePool::RegionCopy> scatter;
+  auto* table = reinterpret_cast<int32_t*>(host + table_at);
+  int64_t q_rows = 0, kv_rows = 0;
+  for (size_t b = 0; b < steps.size(); ++b) {
+    const Step& step = steps[b];
+    const DecodedForward& r = step.work->request;
+    const int64_t nq = r.problem.total_q(), nk = r.problem.total_k();
+    copies.push_back(
+        {host + q_at + q_rows * q_row, reinterpret_cast<const std::byte*>(r.q), nq * q_row});
+    if (nk > 0) {
+      copies.push_back(
+          {host + k_at + kv_rows * kv_row, reinterpret_cast<const std::byte*>(r.k), nk * kv_row});
+      copies.push_back(
+          {host + v_at + kv_rows * kv_row, reinterpret_cast<const std::byte*>(r.v), nk * kv_row});
+      for (const SessionAppend::RowSpan& s : step.spans) {
+        const int64_t n = s.rows * kv_row, from = (kv_rows + s.first_row) * kv_row;
+        scatter.push_back({k_at + from, kv->base() + s.k_offset, n});
+        scatter.push_back({v_at + from, kv->base() + s.v_offset, n});
+      }
+    }
+    int32_t* row = table + b * max_blocks;
+    std::copy(step.keys.pages.begin(), step.keys.pages.end(), row);
+    std::fill(row + step.keys.pages.size(), row + max_blocks, 0);
+    q_rows += nq;
+    kv_rows += nk;
+  }
+  RunCopies(copies);
+  ATTN_RETURN_IF_ERROR(pool->CopyToDevice(0, o_at));
+  ATTN_RETURN_IF_ERROR(pool->CopyFromRegion(scatter));
+
+  std::byte* dev = pool->device();
+  attn::PagedForwardArgs args;
+  args.q = attn::Packed<const void*>(dev + q_at, p.num_heads, p.head_dim);
+  args.kv.pages = kv->base();
+  args.kv.page_stride = kv->page_bytes() / es;
+  args.kv.page_tokens = geometry.page_tokens();
+  args.kv.num_pages = kv->num_pages();
+  args.kv.block_table = reinterpret_cast<const int32_t*>(dev + table_at);
+  args.kv.max_blocks = max_blocks;
+  args.o = attn::Packed<void*>(dev + o_at, p.num_heads, p.head_dim);
+  args.lse = want_lse ? reinterpret_cast<float*>(dev + lse_at) : nullptr;
+  args.stream = pool->stream();
+  ATTN_RETURN_IF_ERROR(pool->StartComputeTimer());
+  ATTN_RETURN_IF_ERROR(engine.ForwardPaged(p, args));
+  ATTN_RETURN_IF_ERROR(pool->StopComputeTimer());
+  ATTN_RETURN_IF_ERROR(pool->CopyToHost(o_at, end - o_at));
+  ATTN_RETURN_IF_ERROR(pool->Synchronize());
+  report->computed = absl::Now();
+  for (Step& step : steps) {
+    if (step.append != nullptr) step.append->Commit();
+    step.work->keys = step.keys.tokens;
+  }
+
+  Metrics::Launch launch;
+  launch.engine = engine.kind();
+  launch.requests = static_cast<int>(steps.size());
+  launch.query_tokens = total_q;
+  launch.key_tokens = p.total_k();
+  launch.flops = p.forward_flops();
+  launch.fused_io_bytes = FusedIoBytes(p, want_lse);
+  launch.naive_io_bytes = NaiveIoBytes(p, want_lse);
+  const absl::StatusOr<absl::Duration> compute = pool->ComputeTime();
+  if (compute.ok()) report->kernel = *compute;
+  launch.compute = compute.ok() ? *compute : report->computed - report->started;
+  metrics_->OnLaunch(launch);
+  metrics_->OnSessionSteps(kv->label(), static_cast<int>(steps.size()), 2 * p.total_k() * kv_row,
+                           2 * appended_rows * kv_row);
+  if (pool->space() == attn::MemorySpace::kDevice) {
+    SampleDeviceMemory(*pool, use.label(), report->computed);
+  }
+
+  Launched launched;
+  launched.problem = p;
+  launched.q_row = q_row;
+  launched.o = host + o_at;
+  launched.lse = want_lse ? reinterpret_cast<const float*>(host + lse_at) : nullptr;
+  std::vector<OutputPlan> plans;
+  for (const Step& step : steps) {
+    plans.push_back({step.work->request.problem.total_q(), &step.work->o, &step.work->lse, false});
+  }
+  CopyOutputs(launched, plans);
   return absl::OkStatus();
 }
 

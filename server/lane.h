@@ -27,6 +27,7 @@
 #include "server/batcher.h"
 #include "server/completions.h"
 #include "server/device_pool.h"
+#include "server/kv_page_pool.h"
 #include "server/metrics.h"
 #include "server/staging.h"
 #include "server/work.h"
@@ -39,6 +40,8 @@ class Lane {
     std::vector<std::unique_ptr<attn::Engine>> engines;  // in the service's engine order
     std::unique_ptr<DevicePool> host_pool;               // staging for host engines
     std::unique_ptr<DevicePool> device_pool;             // null when the lane has no device engine
+    int device_slot = 0;                                 // which lanes' work it takes
+    KvPagePool* kv_pool = nullptr;                       // its device's session pages, or null
   };
 
   // Starts the lane's thread, which runs what `batcher` hands out until it returns an empty
@@ -62,14 +65,25 @@ class Lane {
     const std::byte* src;
     int64_t bytes;
   };
+  // One request's outputs: its query rows and where they go.
+  struct OutputPlan {
+    int64_t rows = 0;
+    const OutputSink* o = nullptr;
+    const OutputSink* lse = nullptr;
+    bool o_direct = false;  // already in its shared-memory range
+  };
 
   void Loop();
   void Run(Batch batch);
   absl::Status RunForward(const std::vector<ForwardWork*>& batch, ExecutionReport* report,
                           Launched* launched);
   absl::Status RunBackward(BackwardWork& work, ExecutionReport* report);
+  // Session steps: appended rows into their pages, then one paged engine call.
+  absl::Status RunSessionSteps(const std::vector<SessionStepWork*>& batch, ExecutionReport* report);
+  // One AppendKV chunk into the pages of its open append.
+  absl::Status RunAppend(AppendWork& work, ExecutionReport* report);
   // Each request's O rows and LSE into its sinks, from the staging region.
-  void CopyOutputs(const Launched& launched, const std::vector<ForwardWork*>& batch);
+  void CopyOutputs(const Launched& launched, const std::vector<OutputPlan>& plans);
   void Finish(Batch batch, const absl::Status& status, absl::Time started);
   // The copies, on the lane thread alone when small, else in chunks over the copy threads.
   void RunCopies(const std::vector<CopyTask>& copies);

@@ -75,6 +75,16 @@ ABSL_FLAG(int, max_sequences, 65536, "Sequences a request may have (dense batch 
 ABSL_FLAG(int64_t, max_stream_buffer_bytes, int64_t{64} << 20,
           "Per AttendStream call: bytes of responses waiting for the client to read before the "
           "server stops reading its requests");
+ABSL_FLAG(int64_t, kv_pool_bytes, 0,
+          "KV session pages per device: bytes; 0 = a quarter of the GPU's free memory (1 GiB of "
+          "host memory on the CPU engine); negative = no KV sessions");
+ABSL_FLAG(int64_t, kv_page_bytes, 128 << 10,
+          "Bytes of one KV page (a block of K and V rows; its tokens follow from the session's "
+          "heads and head_dim)");
+ABSL_FLAG(int64_t, session_max_tokens, 1 << 20, "Longest a KV session may grow, in tokens");
+ABSL_FLAG(absl::Duration, session_ttl, absl::Minutes(10),
+          "Idle KV sessions expire after this (CreateSession may ask for another)");
+ABSL_FLAG(int, max_sessions_per_identity, 1024, "KV sessions one identity may hold");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT, how long accepted calls get to finish");
 constexpr char kDefaultMetricsAddress[] = "0.0.0.0:9464";
@@ -120,6 +130,11 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   c.max_heads = absl::GetFlag(FLAGS_max_heads);
   c.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   c.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
+  c.kv_pool_bytes = absl::GetFlag(FLAGS_kv_pool_bytes);
+  c.kv_page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
+  c.session_max_tokens = absl::GetFlag(FLAGS_session_max_tokens);
+  c.session_ttl = absl::GetFlag(FLAGS_session_ttl);
+  c.max_sessions_per_identity = absl::GetFlag(FLAGS_max_sessions_per_identity);
   c.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);

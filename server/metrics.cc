@@ -85,6 +85,8 @@ const char* MethodLabel(Metrics::Method method) {
       return "AttendStream";
     case Metrics::Method::kAttendBackward:
       return "AttendBackward";
+    case Metrics::Method::kAppendKV:
+      return "AppendKV";
   }
   return "Attend";
 }
@@ -152,6 +154,44 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                               .Help("Bytes of the registered shared-memory regions")
                               .Register(r)
                               .Add({});
+  sessions_open_ = &prometheus::BuildGauge()
+                        .Name("attnserve_sessions_open")
+                        .Help("KV sessions held (created and not yet deleted or expired)")
+                        .Register(r)
+                        .Add({});
+  auto& session_events = prometheus::BuildCounter()
+                             .Name("attnserve_sessions_total")
+                             .Help("KV sessions created, deleted by their owner, or expired idle")
+                             .Register(r);
+  session_events_ = {&session_events.Add({{"event", "created"}}),
+                     &session_events.Add({{"event", "deleted"}}),
+                     &session_events.Add({{"event", "expired"}})};
+  kv_pool_bytes_ = &prometheus::BuildGauge()
+                        .Name("attnserve_kv_pool_bytes")
+                        .Help("KV page pool per device: state=total (all pages) or in_use")
+                        .Register(r);
+  kv_pool_free_pages_ = &prometheus::BuildGauge()
+                             .Name("attnserve_kv_pool_free_pages")
+                             .Help("KV pages free per device")
+                             .Register(r);
+  kv_append_bytes_ = &prometheus::BuildCounter()
+                          .Name("attnserve_kv_append_bytes_total")
+                          .Help("Bytes of K and V appended to sessions (AppendKV and steps)")
+                          .Register(r);
+  kv_read_bytes_ = &prometheus::BuildCounter()
+                        .Name("attnserve_kv_read_bytes_total")
+                        .Help("Bytes of cached K and V that session steps attended over")
+                        .Register(r);
+  session_steps_ = &prometheus::BuildCounter()
+                        .Name("attnserve_session_steps_total")
+                        .Help("Attend steps over KV sessions (decode and prefill), per device")
+                        .Register(r);
+  session_batch_steps_ =
+      &prometheus::BuildHistogram()
+           .Name("attnserve_session_batch_steps")
+           .Help("Session steps per launch")
+           .Register(r)
+           .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256});
   auto& request_duration =
       prometheus::BuildHistogram()
           .Name("attnserve_request_duration_seconds")
@@ -338,6 +378,33 @@ void Metrics::OnFinished(Method method, const absl::Status& status, absl::Durati
   CountRequest(method, status);
   queue_wait_->Observe(absl::ToDoubleSeconds(queue));
   request_durations_[static_cast<int>(method)]->Observe(absl::ToDoubleSeconds(total));
+}
+
+void Metrics::OnSession(SessionEvent event, int open) {
+  session_events_[static_cast<size_t>(event)]->Increment();
+  sessions_open_->Set(open);
+}
+
+void Metrics::OnKvPool(std::string_view device, int64_t total_bytes, int64_t free_bytes,
+                       int64_t free_pages) {
+  const std::string d(device);
+  kv_pool_bytes_->Add({{"device", d}, {"state", "total"}}).Set(static_cast<double>(total_bytes));
+  kv_pool_bytes_->Add({{"device", d}, {"state", "in_use"}})
+      .Set(static_cast<double>(total_bytes - free_bytes));
+  kv_pool_free_pages_->Add({{"device", d}}).Set(static_cast<double>(free_pages));
+}
+
+void Metrics::OnSessionAppend(std::string_view device, int64_t bytes) {
+  kv_append_bytes_->Add({{"device", std::string(device)}}).Increment(static_cast<double>(bytes));
+}
+
+void Metrics::OnSessionSteps(std::string_view device, int steps, int64_t kv_bytes,
+                             int64_t append_bytes) {
+  const std::string d(device);
+  session_steps_->Add({{"device", d}}).Increment(steps);
+  kv_read_bytes_->Add({{"device", d}}).Increment(static_cast<double>(kv_bytes));
+  if (append_bytes > 0) kv_append_bytes_->Add({{"device", d}}).Increment(append_bytes);
+  session_batch_steps_->Observe(steps);
 }
 
 void Metrics::OnSharedMemory(int regions, uint64_t mapped_bytes) {

@@ -48,7 +48,7 @@ int64_t NaiveIoBytes(const attn::AttentionProblem& p, bool lse);
 
 class Metrics {
  public:
-  enum class Method : uint8_t { kAttend, kAttendStream, kAttendBackward };
+  enum class Method : uint8_t { kAttend, kAttendStream, kAttendBackward, kAppendKV };
   // Why a request ran on the path it ran on (the `reason` label).
   enum class PathReason : uint8_t {
     kRequested,           // the request named the path
@@ -113,6 +113,18 @@ class Metrics {
   // The registered shared-memory regions, after a change.
   void OnSharedMemory(int regions, uint64_t mapped_bytes);
 
+  // KV sessions: one was created, deleted or expired; `open` are left.
+  enum class SessionEvent : uint8_t { kCreated, kDeleted, kExpired };
+  void OnSession(SessionEvent event, int open);
+  // A device's page pool, after a change.
+  void OnKvPool(std::string_view device, int64_t total_bytes, int64_t free_bytes,
+                int64_t free_pages);
+  // An AppendKV chunk moved `bytes` of K and V into the pool.
+  void OnSessionAppend(std::string_view device, int64_t bytes);
+  // One launch of `steps` session steps read `kv_bytes` of cached K/V and appended
+  // `append_bytes`.
+  void OnSessionSteps(std::string_view device, int steps, int64_t kv_bytes, int64_t append_bytes);
+
   v1::Stats Snapshot() const;
   // The registry in Prometheus text format, as /metrics serves it.
   std::string Scrape() const;
@@ -128,7 +140,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   // requests_'s child per (method, status code), looked up once: Family::Add hashes the labels
   // under the family's lock, and every request ends with this count.
-  static constexpr int kMethods = static_cast<int>(Method::kAttendBackward) + 1, kCodes = 17;
+  static constexpr int kMethods = static_cast<int>(Method::kAppendKV) + 1, kCodes = 17;
   std::array<std::atomic<prometheus::Counter*>, kMethods * kCodes> request_counters_{};
   // Every per-launch series of one path, looked up once per engine kind (OnLaunch runs per batch).
   struct LaunchSeries {
@@ -151,6 +163,14 @@ class Metrics {
   prometheus::Gauge* queued_;
   prometheus::Gauge* shared_memory_regions_;
   prometheus::Gauge* shared_memory_bytes_;
+  prometheus::Gauge* sessions_open_;
+  std::array<prometheus::Counter*, 3> session_events_{};  // by SessionEvent
+  prometheus::Family<prometheus::Gauge>* kv_pool_bytes_;
+  prometheus::Family<prometheus::Gauge>* kv_pool_free_pages_;
+  prometheus::Family<prometheus::Counter>* kv_append_bytes_;
+  prometheus::Family<prometheus::Counter>* kv_read_bytes_;
+  prometheus::Family<prometheus::Counter>* session_steps_;
+  prometheus::Histogram* session_batch_steps_;
   std::array<prometheus::Histogram*, kMethods> request_durations_{};  // by Method
   prometheus::Histogram* queue_wait_;
   prometheus::Family<prometheus::Histogram>* compute_;

@@ -25,50 +25,23 @@ void DescribeTensor(attn::DType dtype, const std::vector<int64_t>& shape, v1::Te
   for (int64_t d : shape) t->add_shape(d);
 }
 
-}  // namespace
-
-v1::Path PathOf(attn::EngineKind kind) {
-  switch (kind) {
-    case attn::EngineKind::kCudaFused:
-      return v1::PATH_FUSED;
-    case attn::EngineKind::kCudaNaive:
-      return v1::PATH_NAIVE;
-    case attn::EngineKind::kCpuReference:
-    case attn::EngineKind::kCpuTiled:
-      return v1::PATH_CPU;
-  }
-  return v1::PATH_AUTO;
-}
-
-void BindOutputs(ForwardWork* work, v1::AttendResponse* response) {
-  if (work->request.o_out != nullptr) {
-    work->o.fixed = work->request.o_out;
+void BindForwardOutputs(const DecodedForward& request, OutputSink* o, OutputSink* lse,
+                        v1::AttendResponse* response) {
+  if (request.o_out != nullptr) {
+    o->fixed = request.o_out;
   } else {
-    work->o.allocate = [response](int64_t bytes) {
+    o->allocate = [response](int64_t bytes) {
       return Resize(response->mutable_o()->mutable_data(), bytes);
     };
   }
-  if (work->request.return_lse) {
-    work->lse.allocate = [response](int64_t bytes) {
+  if (request.return_lse) {
+    lse->allocate = [response](int64_t bytes) {
       return Resize(response->mutable_lse()->mutable_data(), bytes);
     };
   }
 }
 
-void BindOutputs(BackwardWork* work, v1::AttendBackwardResponse* response) {
-  work->dq.allocate = [response](int64_t bytes) {
-    return Resize(response->mutable_d_q()->mutable_data(), bytes);
-  };
-  work->dk.allocate = [response](int64_t bytes) {
-    return Resize(response->mutable_d_k()->mutable_data(), bytes);
-  };
-  work->dv.allocate = [response](int64_t bytes) {
-    return Resize(response->mutable_d_v()->mutable_data(), bytes);
-  };
-}
-
-void FillResponse(const ForwardWork& work, v1::AttendResponse* response) {
-  const DecodedForward& r = work.request;
+void FillForwardResponse(const Work& work, const DecodedForward& r, v1::AttendResponse* response) {
   v1::Tensor& o = *response->mutable_o();
   DescribeTensor(r.problem.dtype, r.o_shape, &o);
   if (r.o_out_ref != nullptr) *o.mutable_shared_memory() = *r.o_out_ref;
@@ -85,6 +58,49 @@ void FillResponse(const ForwardWork& work, v1::AttendResponse* response) {
   batch.set_batch_id(work.report.batch_id);
   batch.set_requests(work.report.batch_requests);
   batch.set_tokens(work.report.batch_tokens);
+}
+
+}  // namespace
+
+void BindOutputs(ForwardWork* work, v1::AttendResponse* response) {
+  BindForwardOutputs(work->request, &work->o, &work->lse, response);
+}
+
+void BindOutputs(SessionStepWork* work, v1::AttendResponse* response) {
+  BindForwardOutputs(work->request, &work->o, &work->lse, response);
+}
+
+v1::Path PathOf(attn::EngineKind kind) {
+  switch (kind) {
+    case attn::EngineKind::kCudaFused:
+      return v1::PATH_FUSED;
+    case attn::EngineKind::kCudaNaive:
+      return v1::PATH_NAIVE;
+    case attn::EngineKind::kCpuReference:
+    case attn::EngineKind::kCpuTiled:
+      return v1::PATH_CPU;
+  }
+  return v1::PATH_AUTO;
+}
+
+void BindOutputs(BackwardWork* work, v1::AttendBackwardResponse* response) {
+  work->dq.allocate = [response](int64_t bytes) {
+    return Resize(response->mutable_d_q()->mutable_data(), bytes);
+  };
+  work->dk.allocate = [response](int64_t bytes) {
+    return Resize(response->mutable_d_k()->mutable_data(), bytes);
+  };
+  work->dv.allocate = [response](int64_t bytes) {
+    return Resize(response->mutable_d_v()->mutable_data(), bytes);
+  };
+}
+
+void FillResponse(const ForwardWork& work, v1::AttendResponse* response) {
+  FillForwardResponse(work, work.request, response);
+}
+
+void FillResponse(const SessionStepWork& work, v1::AttendResponse* response) {
+  FillForwardResponse(work, work.request, response);
 }
 
 void FillResponse(const BackwardWork& work, v1::AttendBackwardResponse* response) {

@@ -13,10 +13,12 @@ namespace attnserve {
 // request gave one).
 void BindOutputs(ForwardWork* work, v1::AttendResponse* response);
 void BindOutputs(BackwardWork* work, v1::AttendBackwardResponse* response);
+void BindOutputs(SessionStepWork* work, v1::AttendResponse* response);
 
 // The response around the bytes the lane wrote.
 void FillResponse(const ForwardWork& work, v1::AttendResponse* response);
 void FillResponse(const BackwardWork& work, v1::AttendBackwardResponse* response);
+void FillResponse(const SessionStepWork& work, v1::AttendResponse* response);
 
 v1::Path PathOf(attn::EngineKind kind);
 

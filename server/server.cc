@@ -160,11 +160,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   bool any_device = false;
   for (attn::EngineKind kind : kinds) any_device = any_device || IsDeviceKind(kind);
 
-  // Lanes: per device when a GPU engine runs, otherwise one lane set on the CPU.
-  const std::vector<int> lane_devices = any_device ? config.devices : std::vector<int>{0};
+  // Lanes: a set per device (with the CPU engine the devices are stand-ins: each gets its own
+  // lanes and KV pool, so placement works the same way).
+  const std::vector<int> lane_devices = config.devices;
   const int per_device = config.lanes_per_device > 0 ? config.lanes_per_device : any_device ? 2 : 1;
+  if (config.kv_pool_bytes >= 0) {
+    for (size_t slot = 0; slot < lane_devices.size(); ++slot) {
+      const int device = lane_devices[slot];
+      const attn::MemorySpace space =
+          any_device ? attn::MemorySpace::kDevice : attn::MemorySpace::kHost;
+      int64_t bytes = config.kv_pool_bytes;
+      if (bytes == 0) {
+        bytes = any_device ? DevicePool::TotalMemoryBytes(space, device) / 4 : int64_t{1} << 30;
+      }
+      const std::string label = any_device                 ? absl::StrCat("cuda:", device)
+                                : lane_devices.size() == 1 ? "cpu"
+                                                           : absl::StrCat("cpu:", slot);
+      ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvPagePool> pool,
+                            KvPagePool::Create(space, device, config.kv_page_bytes, bytes, label));
+      self->kv_pools_.push_back(std::move(pool));
+    }
+  }
   std::vector<Lane::Parts> lane_parts;
-  for (int device : lane_devices) {
+  for (size_t slot = 0; slot < lane_devices.size(); ++slot) {
+    const int device = lane_devices[slot];
     for (int i = 0; i < per_device; ++i) {
       attn::EngineOptions options;
       options.device = device;
@@ -177,6 +196,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       }
       ATTN_ASSIGN_OR_RETURN(parts.host_pool, DevicePool::Create(attn::MemorySpace::kHost, device,
                                                                 config.memory_limit_bytes));
+      parts.device_slot = static_cast<int>(slot);
+      if (!self->kv_pools_.empty()) parts.kv_pool = self->kv_pools_[slot].get();
       if (any_device) {
         ATTN_ASSIGN_OR_RETURN(parts.device_pool,
                               DevicePool::Create(attn::MemorySpace::kDevice, device,
@@ -219,6 +240,39 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                                                   self->batcher_.get(), &self->metrics_));
   }
 
+  if (!self->kv_pools_.empty()) {
+    SessionStore::Options store_options;
+    store_options.page_bytes = config.kv_page_bytes;
+    store_options.max_tokens = config.session_max_tokens;
+    store_options.default_ttl = config.session_ttl;
+    store_options.max_sessions_per_identity = config.max_sessions_per_identity;
+    std::vector<KvPagePool*> pools;
+    for (const auto& pool : self->kv_pools_) pools.push_back(pool.get());
+    Metrics* metrics = &self->metrics_;
+    Server* server = self.get();
+    SessionStore::Events events;
+    auto count = [server] { return server->session_store_->open(); };
+    events.created = [metrics, count](const Session&) {
+      metrics->OnSession(Metrics::SessionEvent::kCreated, count());
+    };
+    events.deleted = [metrics, count](const Session&) {
+      metrics->OnSession(Metrics::SessionEvent::kDeleted, count());
+    };
+    events.expired = [metrics, count](const Session& s) {
+      metrics->OnSession(Metrics::SessionEvent::kExpired, count());
+      ATTN_LOG(kInfo) << "session " << s.id() << " expired after " << absl::FormatDuration(s.ttl())
+                      << " idle (" << s.tokens() << " tokens)";
+    };
+    events.tick = [metrics, pools] {
+      for (KvPagePool* pool : pools) {
+        metrics->OnKvPool(pool->label(), pool->num_pages() * pool->page_bytes(),
+                          pool->free_pages() * pool->page_bytes(), pool->free_pages());
+      }
+    };
+    events.tick();
+    self->session_store_ = std::make_unique<SessionStore>(store_options, pools, std::move(events));
+  }
+
   AttentionService::Options service_options;
   service_options.authenticator = self->authenticator_;
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
@@ -231,11 +285,24 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                                              DevicePool::UnpinHostMemory};
   }
   v1::ServerInfo info = DescribeServer(config, kinds, lane_count);
+  if (!self->kv_pools_.empty()) {
+    v1::SessionLimits* sessions = info.mutable_sessions();
+    sessions->set_page_bytes(config.kv_page_bytes);
+    sessions->set_pool_bytes(self->kv_pools_.front()->num_pages() * config.kv_page_bytes);
+    sessions->set_max_tokens(config.session_max_tokens);
+    sessions->set_default_ttl_seconds(absl::ToInt64Seconds(config.session_ttl));
+    sessions->set_max_sessions(config.max_sessions_per_identity);
+  }
   if (self->descriptor_socket_ != nullptr) {
     info.set_shared_memory_socket(self->descriptor_socket_->address());
   }
-  self->service_ = std::make_unique<AttentionService>(
-      service_options, kinds, self->batcher_.get(), &self->metrics_, std::move(info));
+  self->service_ = std::make_unique<AttentionService>(service_options, kinds, self->batcher_.get(),
+                                                      &self->metrics_, std::move(info));
+  if (self->session_store_ != nullptr) {
+    self->session_service_ = std::make_unique<SessionService>(
+        self->service_.get(), self->session_store_.get(), self->batcher_.get(), &self->metrics_);
+    self->service_->AttachSessions(self->session_service_.get());
+  }
 
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (!config.tls_cert_file.empty()) {

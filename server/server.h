@@ -12,8 +12,11 @@
 #include "server/batcher.h"
 #include "server/config.h"
 #include "server/descriptor_socket.h"
+#include "server/kv_page_pool.h"
 #include "server/lane.h"
 #include "server/metrics.h"
+#include "server/session_service.h"
+#include "server/session_store.h"
 #include "server/stream_frontend.h"
 
 namespace attnserve {
@@ -44,6 +47,11 @@ class Server {
   Metrics metrics_;
   std::shared_ptr<Authenticator> authenticator_;
   std::unique_ptr<DescriptorSocket> descriptor_socket_;
+  // KV sessions: one page pool per device slot; the store and the door outlive the lanes, the
+  // pools outlive every session.
+  std::vector<std::unique_ptr<KvPagePool>> kv_pools_;
+  std::unique_ptr<SessionStore> session_store_;
+  std::unique_ptr<SessionService> session_service_;
   std::unique_ptr<Batcher> batcher_;
   std::vector<std::unique_ptr<Lane>> lanes_;  // pull from batcher_; joined by StopLanes
   std::unique_ptr<AttentionService> service_;

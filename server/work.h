@@ -17,6 +17,7 @@
 #include "attn/engine.h"
 #include "proto/wire/request_decoder.h"
 #include "server/metrics.h"
+#include "server/session_store.h"
 
 namespace attnserve {
 
@@ -44,6 +45,7 @@ struct ExecutionReport {
 // Which requests may share one engine call: equal keys. A request that never shares (a backward
 // pass) has no key.
 struct BatchKey {
+  bool paged = false;  // session steps: K/V through block tables
   int engine = 0;
   attn::DType dtype = attn::DType::kF32;
   int num_heads = 0, num_kv_heads = 0, head_dim = 0;
@@ -53,13 +55,13 @@ struct BatchKey {
 
   static BatchKey Of(int engine, const attn::AttentionProblem& p);
   bool operator==(const BatchKey& o) const {
-    return engine == o.engine && dtype == o.dtype && num_heads == o.num_heads &&
+    return paged == o.paged && engine == o.engine && dtype == o.dtype && num_heads == o.num_heads &&
            num_kv_heads == o.num_kv_heads && head_dim == o.head_dim && causal == o.causal &&
            window_left == o.window_left && window_right == o.window_right && scale == o.scale;
   }
 };
 
-enum class WorkKind : uint8_t { kForward, kBackward };
+enum class WorkKind : uint8_t { kForward, kBackward, kSessionStep, kAppend };
 
 // One accepted request on its way to a lane.
 struct Work {
@@ -69,14 +71,19 @@ struct Work {
   const WorkKind kind;
   int engine = 0;                 // index into every lane's engines
   std::optional<BatchKey> batch;  // unset: runs alone
-  int64_t tokens = 0;             // query + key tokens, for the batch's token budget
-  int64_t bytes = 0;              // working set, for the batch's memory budget
+  int device = -1;                // the device slot whose lanes must run it; -1: any
+  // Work with the same non-null key runs one at a time, in the order it was queued (a session's
+  // steps and appends).
+  const void* exclusive = nullptr;
+  int64_t tokens = 0;  // query + key tokens, for the batch's token budget
+  int64_t bytes = 0;   // working set, for the batch's memory budget
   absl::Time accepted;
   absl::Time deadline = absl::InfiniteFuture();
   Metrics::Method method = Metrics::Method::kAttend;             // for the metrics' labels
   Metrics::PathReason path_reason = Metrics::PathReason::kAuto;  // why this engine
   std::shared_ptr<const std::atomic<bool>> cancelled;            // set when the client goes away
   ExecutionReport report;  // filled by the lane before done(OK)
+  absl::Status failure;    // set by the lane when this work failed alone (its batch did not)
   // Runs exactly once, on a lane thread or one of its completion threads; the batcher forgets
   // the work after it.
   std::function<void(const absl::Status&, const Work&)> done;
@@ -95,6 +102,25 @@ struct BackwardWork final : Work {
   BackwardWork() : Work(WorkKind::kBackward) {}
   DecodedBackward request;
   OutputSink dq, dk, dv;
+};
+
+// Attend with session_id: Q (and with append, the K/V rows to add) against a session's pages.
+struct SessionStepWork final : Work {
+  SessionStepWork() : Work(WorkKind::kSessionStep) {}
+  DecodedForward request;  // cu_seqlens_k = {0, appended}; the lane adds the session's tokens
+  SessionUse session;
+  bool append = false;
+  OutputSink o, lse;
+  int64_t keys = 0;  // set by the lane: the keys the step attended over
+};
+
+// One chunk of an AppendKV call: its rows into the pages of the call's open append.
+struct AppendWork final : Work {
+  AppendWork() : Work(WorkKind::kAppend) {}
+  SessionAppend* append = nullptr;  // owned by the call, alive until done
+  const char* k = nullptr;          // [tokens, num_kv_heads, head_dim], the session's dtype
+  const char* v = nullptr;
+  int64_t rows = 0;
 };
 
 }  // namespace attnserve

@@ -290,6 +290,165 @@ absl::StatusOr<DecodedForward> DecodeAttendRequest(const v1::AttendRequest& r,
   return d;
 }
 
+absl::StatusOr<DecodedForward> DecodeSessionAttendRequest(
+    const v1::AttendRequest& r, const KvGeometry& session, const DecodeLimits& limits,
+    const SharedMemoryResolver* shared_memory) {
+  if (!r.has_q()) return Invalid("q", "missing");
+  if (!v1::Path_IsValid(r.path())) {
+    return Invalid("path", absl::StrCat("unknown value ", static_cast<int>(r.path())));
+  }
+  if (r.cu_seqlens_q_size() != 0 || r.cu_seqlens_k_size() != 0) {
+    return Invalid("cu_seqlens_q", "not with session_id: a session step is one sequence");
+  }
+  if (r.append() != (r.has_k() || r.has_v())) {
+    return r.append() ? Invalid(r.has_k() ? "v" : "k",
+                                "missing: append needs k and v (the new "
+                                "tokens' keys and values)")
+                      : Invalid(r.has_k() ? "k" : "v",
+                                "only with append: without it a step attends over the session's "
+                                "keys as they are");
+  }
+  auto dtype = FromProtoDType(r.q().dtype());
+  if (!dtype.ok()) return Invalid("q.dtype", std::string(dtype.status().message()));
+  if (*dtype != session.dtype) {
+    return Invalid("q.dtype",
+                   absl::StrCat(v1::DType_Name(r.q().dtype()), " differs from the session's ",
+                                v1::DType_Name(ToProtoDType(session.dtype))));
+  }
+  if (r.q().shape_size() != 3) {
+    return Invalid("q.shape",
+                   absl::StrCat("expected [tokens, heads, head_dim] with session_id, got ",
+                                ShapeString(r.q())));
+  }
+  ATTN_RETURN_IF_ERROR(CheckTensor("q", r.q(), *dtype, 3));
+  const auto& qs = r.q().shape();
+  if (qs[2] != session.head_dim) {
+    return Invalid("q.shape[2]", absl::StrCat("head_dim ", qs[2], " differs from the session's ",
+                                              session.head_dim));
+  }
+  DecodedForward d;
+  attn::AttentionProblem& p = d.problem;
+  p.dtype = *dtype;
+  p.num_heads = static_cast<int>(qs[1]);
+  p.num_kv_heads = session.num_kv_heads;
+  p.head_dim = session.head_dim;
+  if (p.num_heads < 1 || p.num_heads > limits.max_heads) {
+    return Invalid("q.shape[1]", absl::StrCat("num_heads must be in [1, ", limits.max_heads,
+                                              "], got ", p.num_heads));
+  }
+  if (p.num_heads % p.num_kv_heads != 0) {
+    return Invalid("q.shape[1]",
+                   absl::StrCat("num_heads ", p.num_heads, " is not a multiple of the session's ",
+                                p.num_kv_heads, " KV heads"));
+  }
+  int64_t appended = 0;
+  if (r.append()) {
+    for (const auto& [name, t] :
+         {std::pair<const char*, const v1::Tensor*>{"k", &r.k()}, {"v", &r.v()}}) {
+      if (t->dtype() != r.q().dtype()) {
+        return Invalid(absl::StrCat(name, ".dtype"),
+                       absl::StrCat(v1::DType_Name(t->dtype()), " differs from q.dtype ",
+                                    v1::DType_Name(r.q().dtype())));
+      }
+      ATTN_RETURN_IF_ERROR(CheckTensor(name, *t, *dtype, 3));
+      if (t->shape(1) != session.num_kv_heads || t->shape(2) != session.head_dim) {
+        return Invalid(absl::StrCat(name, ".shape"),
+                       absl::StrCat(ShapeString(*t), ": the session holds [tokens, ",
+                                    session.num_kv_heads, ", ", session.head_dim, "]"));
+      }
+    }
+    if (r.v().shape(0) != r.k().shape(0)) {
+      return Invalid("v.shape", absl::StrCat(ShapeString(r.v()), " differs from k.shape ",
+                                             ShapeString(r.k())));
+    }
+    appended = r.k().shape(0);
+  }
+  for (const auto& [name, has, value] :
+       {std::tuple<const char*, bool, int32_t>{"window_left", r.has_window_left(), r.window_left()},
+        {"window_right", r.has_window_right(), r.window_right()}}) {
+    if (has && value < -1) {
+      return Invalid(name, absl::StrCat(value,
+                                        ": a window side is >= 0 keys, or -1 (or unset) "
+                                        "for unbounded"));
+    }
+  }
+  p.cu_seqlens_q = {0, static_cast<int32_t>(qs[0])};
+  p.cu_seqlens_k = {0, static_cast<int32_t>(appended)};
+  p.causal = r.causal();
+  p.window_left = r.has_window_left() ? r.window_left() : -1;
+  p.window_right = r.has_window_right() ? r.window_right() : -1;
+  p.softmax_scale = r.softmax_scale();
+  ATTN_RETURN_IF_ERROR(attn::ValidateProblem(p));
+  const TensorSizes sizes = TensorSizesOf(p);
+  const int64_t bytes = 2 * sizes.q + 2 * sizes.kv + sizes.lse + 2 * kSequenceIndexBytes;
+  if (bytes > limits.memory_limit_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs ", bytes, " bytes for Q, O, LSE and the keys it appends; ",
+        "the server's memory limit per batch is ", limits.memory_limit_bytes, " bytes"));
+  }
+  ATTN_ASSIGN_OR_RETURN(d.q, ElementsOf("q", r.q(), p.dtype, shared_memory, &d));
+  if (r.append()) {
+    ATTN_ASSIGN_OR_RETURN(d.k, ElementsOf("k", r.k(), p.dtype, shared_memory, &d));
+    ATTN_ASSIGN_OR_RETURN(d.v, ElementsOf("v", r.v(), p.dtype, shared_memory, &d));
+  }
+  if (r.has_o_shared_memory()) {
+    if (shared_memory == nullptr) {
+      return Invalid("o_shared_memory",
+                     "shared memory is disabled on this server; O comes back in the response");
+    }
+    ATTN_ASSIGN_OR_RETURN(
+        MemorySpan span, shared_memory->Resolve(r.o_shared_memory(), static_cast<uint64_t>(sizes.q),
+                                                "o_shared_memory"));
+    d.o_out = span.data;
+    d.o_out_ref = &r.o_shared_memory();
+    d.regions.push_back(std::move(span.region));
+  }
+  d.o_shape.assign(qs.begin(), qs.end());
+  d.return_lse = r.return_lse();
+  d.path = r.path();
+  return d;
+}
+
+absl::StatusOr<DecodedKvRows> DecodeKvRows(const v1::Tensor& k, const v1::Tensor& v,
+                                           const KvGeometry& session, const DecodeLimits& limits,
+                                           const SharedMemoryResolver* shared_memory) {
+  DecodedForward holder;  // keeps referenced regions
+  int64_t rows = 0;
+  for (const auto& [name, t] : {std::pair<const char*, const v1::Tensor*>{"k", &k}, {"v", &v}}) {
+    auto dtype = FromProtoDType(t->dtype());
+    if (!dtype.ok())
+      return Invalid(absl::StrCat(name, ".dtype"), std::string(dtype.status().message()));
+    if (*dtype != session.dtype) {
+      return Invalid(absl::StrCat(name, ".dtype"),
+                     absl::StrCat(v1::DType_Name(t->dtype()), " differs from the session's ",
+                                  v1::DType_Name(ToProtoDType(session.dtype))));
+    }
+    ATTN_RETURN_IF_ERROR(CheckTensor(name, *t, *dtype, 3));
+    if (t->shape(1) != session.num_kv_heads || t->shape(2) != session.head_dim) {
+      return Invalid(absl::StrCat(name, ".shape"),
+                     absl::StrCat(ShapeString(*t), ": the session holds [tokens, ",
+                                  session.num_kv_heads, ", ", session.head_dim, "]"));
+    }
+    rows = t->shape(0);
+  }
+  if (v.shape(0) != k.shape(0)) {
+    return Invalid("v.shape",
+                   absl::StrCat(ShapeString(v), " differs from k.shape ", ShapeString(k)));
+  }
+  const int64_t bytes = 2 * TensorBytes(k, session.dtype);
+  if (bytes > limits.memory_limit_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "k: a chunk of ", bytes, " bytes of K and V is over the server's memory limit per batch (",
+        limits.memory_limit_bytes, " bytes); send it in smaller chunks"));
+  }
+  DecodedKvRows d;
+  ATTN_ASSIGN_OR_RETURN(d.k, ElementsOf("k", k, session.dtype, shared_memory, &holder));
+  ATTN_ASSIGN_OR_RETURN(d.v, ElementsOf("v", v, session.dtype, shared_memory, &holder));
+  d.rows = rows;
+  d.regions = std::move(holder.regions);
+  return d;
+}
+
 absl::StatusOr<DecodedBackward> DecodeAttendBackwardRequest(
     const v1::AttendBackwardRequest& r, const DecodeLimits& limits,
     const SharedMemoryResolver* shared_memory) {

@@ -85,6 +85,32 @@ v1::DType ToProtoDType(attn::DType dtype);
 absl::StatusOr<DecodedForward> DecodeAttendRequest(
     const v1::AttendRequest& request, const DecodeLimits& limits,
     const SharedMemoryResolver* shared_memory = nullptr);
+// What a KV session holds keys and values as: a step's tensors must match it.
+struct KvGeometry {
+  attn::DType dtype = attn::DType::kBF16;
+  int num_kv_heads = 1;
+  int head_dim = 64;
+};
+
+// An Attend with session_id: q [tokens, num_heads, head_dim] in the session's dtype and
+// head_dim, and with `append` the rows to append in k and v [tokens, num_kv_heads, head_dim].
+// The problem is one sequence whose keys the caller completes: cu_seqlens_k starts as {0, m}
+// (the appended tokens), and the lane adds the session's committed tokens when it runs.
+absl::StatusOr<DecodedForward> DecodeSessionAttendRequest(
+    const v1::AttendRequest& request, const KvGeometry& session, const DecodeLimits& limits,
+    const SharedMemoryResolver* shared_memory = nullptr);
+
+// One AppendKV chunk: k and v [tokens, num_kv_heads, head_dim] in the session's dtype.
+struct DecodedKvRows {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t rows = 0;
+  std::vector<std::shared_ptr<const MemoryRegion>> regions;
+};
+absl::StatusOr<DecodedKvRows> DecodeKvRows(const v1::Tensor& k, const v1::Tensor& v,
+                                           const KvGeometry& session, const DecodeLimits& limits,
+                                           const SharedMemoryResolver* shared_memory = nullptr);
+
 // The forward part as DecodeAttendRequest (fields named "forward.q", ...), then d_o, o, lse.
 absl::StatusOr<DecodedBackward> DecodeAttendBackwardRequest(
     const v1::AttendBackwardRequest& request, const DecodeLimits& limits,
