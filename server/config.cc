@@ -71,6 +71,22 @@ absl::Status Config::Validate() const {
   if (drain_timeout < absl::ZeroDuration()) {
     return bad("drain_timeout", absl::FormatDuration(drain_timeout), "must be >= 0");
   }
+  if (training_checkpoint_every < 1) {
+    return bad("training_checkpoint_every", training_checkpoint_every, "must be >= 1");
+  }
+  if (training_max_jobs < 1) return bad("training_max_jobs", training_max_jobs, "must be >= 1");
+  if (training_jobs_per_device < 1 || training_jobs_per_device > 16) {
+    return bad("training_jobs_per_device", training_jobs_per_device, "must be in [1, 16]");
+  }
+  if (training_cpu_threads < 1 || training_cpu_threads > 256) {
+    return bad("training_cpu_threads", training_cpu_threads, "must be in [1, 256]");
+  }
+  if (training_max_data_bytes < 0) {
+    return bad("training_max_data_bytes", training_max_data_bytes, "must be >= 0");
+  }
+  if (training_disk_limit_bytes < 0) {
+    return bad("training_disk_limit_bytes", training_disk_limit_bytes, "must be >= 0");
+  }
   return absl::OkStatus();
 }
 

@@ -74,6 +74,18 @@ struct Config {
   std::string metrics_port_file;  // when set, the bound metrics port is written here
   bool metrics_required = true;
 
+  // Training jobs (docs/training.md): where their records live (empty: in memory only, no
+  // checkpoints, nothing survives a restart), steps between checkpoints, jobs queued or running
+  // at once, jobs run side by side per device, CPU threads of a job on the CPU, uploaded bytes
+  // per job, and bytes the training directory may hold (0: the disk's own limit).
+  std::string training_dir;
+  int training_checkpoint_every = 100;
+  int training_max_jobs = 16;
+  int training_jobs_per_device = 1;
+  int training_cpu_threads = 1;
+  int64_t training_max_data_bytes = int64_t{1} << 30;
+  int64_t training_disk_limit_bytes = 0;
+
   // Names the first flag that is out of range.
   absl::Status Validate() const;
 };

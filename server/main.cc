@@ -93,6 +93,19 @@ ABSL_FLAG(std::string, metrics_address, kDefaultMetricsAddress,
 ABSL_FLAG(std::string, metrics_port_file, "",
           "Write the bound metrics port to this file once listening");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+ABSL_FLAG(std::string, training_dir, "",
+          "Training jobs' records and checkpoints (one folder per job); unfinished jobs resume "
+          "from here after a restart. Empty: jobs live in memory only");
+ABSL_FLAG(int, training_checkpoint_every, 100,
+          "Steps between a training job's checkpoints (a job's spec may set its own)");
+ABSL_FLAG(int, training_max_jobs, 16, "Training jobs queued or running at once");
+ABSL_FLAG(int, training_jobs_per_device, 1, "Training jobs run side by side on each device");
+ABSL_FLAG(int, training_cpu_threads, 1, "Threads of a training job that runs on the CPU");
+ABSL_FLAG(int64_t, training_max_data_bytes, int64_t{1} << 30,
+          "Bytes a training job may upload (inputs and targets together)");
+ABSL_FLAG(int64_t, training_disk_limit_bytes, 0,
+          "Bytes --training_dir may hold; a checkpoint beyond it fails its job as a full disk "
+          "would. 0: the disk's own limit");
 
 namespace {
 
@@ -138,6 +151,13 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   c.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  c.training_dir = absl::GetFlag(FLAGS_training_dir);
+  c.training_checkpoint_every = absl::GetFlag(FLAGS_training_checkpoint_every);
+  c.training_max_jobs = absl::GetFlag(FLAGS_training_max_jobs);
+  c.training_jobs_per_device = absl::GetFlag(FLAGS_training_jobs_per_device);
+  c.training_cpu_threads = absl::GetFlag(FLAGS_training_cpu_threads);
+  c.training_max_data_bytes = absl::GetFlag(FLAGS_training_max_data_bytes);
+  c.training_disk_limit_bytes = absl::GetFlag(FLAGS_training_disk_limit_bytes);
   // Servers started side by side (tests, a second instance) must not fail over the default
   // port; an address someone chose must work.
   c.metrics_required = c.metrics_address != kDefaultMetricsAddress;

@@ -128,6 +128,9 @@ class Metrics {
   v1::Stats Snapshot() const;
   // The registry in Prometheus text format, as /metrics serves it.
   std::string Scrape() const;
+  // The registry itself, for the families other parts of the server keep (training jobs:
+  // server/training/training_metrics.h).
+  prometheus::Registry& registry() { return *registry_; }
 
  private:
   void CountRequest(Method method, const absl::Status& status);

@@ -20,6 +20,7 @@
 #include "server/device_pool.h"
 #include "server/logging.h"
 #include "server/reflection_service.h"
+#include "server/training/serving_activity.h"
 
 namespace attnserve {
 namespace {
@@ -135,6 +136,35 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
   info.set_auth_required(!config.auth_token_file.empty());
   info.set_shared_memory(config.shared_memory);
   return info;
+}
+
+// Training jobs: one scheduler worker per training slot (each device's, or the CPU's), callers
+// checked as AttentionService checks them, and the question that keeps training below Attend
+// traffic. That question belongs to the batcher (its queue and its lanes); until it answers it,
+// the request counters do (server/training/serving_activity.h).
+absl::StatusOr<std::unique_ptr<training::TrainingService>> StartTraining(
+    const Config& config, bool gpu, const AttentionService* attention, Metrics* metrics) {
+  training::TrainingService::Options options;
+  options.check_call = [attention](const grpc::ServerContextBase& context) {
+    return attention->CheckCall(context);
+  };
+  options.dir = config.training_dir;
+  options.disk_limit_bytes = config.training_disk_limit_bytes;
+  options.checkpoint_every = config.training_checkpoint_every;
+  options.max_unfinished_jobs = config.training_max_jobs;
+  options.max_data_bytes = config.training_max_data_bytes;
+  options.workers.clear();
+  for (int device : gpu ? config.devices : std::vector<int>{0}) {
+    for (int i = 0; i < config.training_jobs_per_device; ++i) {
+      training::TrainerOptions worker;
+      worker.space = gpu ? attn::MemorySpace::kDevice : attn::MemorySpace::kHost;
+      worker.device = device;
+      worker.cpu_threads = config.training_cpu_threads;
+      options.workers.push_back(worker);
+    }
+  }
+  options.serving_busy = training::ServingBusyFromMetrics(metrics);
+  return training::TrainingService::Create(std::move(options), &metrics->registry());
 }
 
 }  // namespace
@@ -303,6 +333,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
         self->service_.get(), self->session_store_.get(), self->batcher_.get(), &self->metrics_);
     self->service_->AttachSessions(self->session_service_.get());
   }
+  ATTN_ASSIGN_OR_RETURN(self->training_,
+                        StartTraining(config, any_device, self->service_.get(), &self->metrics_));
 
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (!config.tls_cert_file.empty()) {
@@ -335,6 +367,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     }
   }
   builder.RegisterService(self->service_.get());
+  builder.RegisterService(self->training_.get());
   StreamFrontend::Options stream_options;
   stream_options.threads =
       config.stream_threads > 0
@@ -388,6 +421,7 @@ void Server::Drain() {
                   << absl::FormatDuration(config_.drain_timeout) << " for accepted calls";
   server_->GetHealthCheckService()->SetServingStatus(false);
   service_->StartDraining();
+  training_->Shutdown();  // running jobs checkpoint now and resume after the restart
   stream_frontend_->StartDraining();
   // The batcher keeps running meanwhile, so accepted requests complete (or are dropped quickly
   // once cancelled). gRPC's own Shutdown would also wait for idle connections to close, which a

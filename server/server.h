@@ -18,6 +18,7 @@
 #include "server/session_service.h"
 #include "server/session_store.h"
 #include "server/stream_frontend.h"
+#include "server/training/training_service.h"
 
 namespace attnserve {
 
@@ -55,6 +56,7 @@ class Server {
   std::unique_ptr<Batcher> batcher_;
   std::vector<std::unique_ptr<Lane>> lanes_;  // pull from batcher_; joined by StopLanes
   std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<training::TrainingService> training_;  // asks service_ about its callers
   std::unique_ptr<StreamFrontend> stream_frontend_;
   std::unique_ptr<grpc::Server> server_;
   bool drained_ = false;

@@ -8,6 +8,7 @@
 //                           [--rpc=unary|stream --streams=4] [--duration=5s] [--json]
 //                           [--shared_memory]
 //   attnserve_client backward [shape flags] [--send_forward] [--check] [--count=N] [--json]
+//   attnserve_client train {submit|watch|status|cancel|result} [flags]  (train_command.h)
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
 #include <google/protobuf/util/json_util.h>
@@ -34,6 +35,7 @@
 #include "clients/cli/reference_check.h"
 #include "clients/cli/request_factory.h"
 #include "clients/cli/shared_memory_buffer.h"
+#include "clients/cli/train_command.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/wire/process_tuning.h"
 
@@ -533,11 +535,12 @@ int main(int argc, char** argv) {
   };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "attnserve_client {info|health|attend|bench|backward} [flags]: talk to an attnserve "
+      "attnserve_client {info|health|attend|bench|backward|train} [flags]: talk to an attnserve "
       "server.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2)
-    return Usage("expected one command: info, health, attend, bench or backward");
+  const bool train = args.size() >= 2 && std::string(args[1]) == "train";  // train <command>
+  if (args.size() != 2 && !train)
+    return Usage("expected one command: info, health, attend, bench, backward or train");
   const std::string command = args[1];
 
   ChannelOptions options;
@@ -555,5 +558,8 @@ int main(int argc, char** argv) {
   if (command == "attend") return Attend(factory, *channel);
   if (command == "bench") return Bench(factory, *channel);
   if (command == "backward") return Backward(factory, *channel);
+  if (train) {
+    return attnserve::client::RunTrainCommand({args.begin() + 2, args.end()}, factory, *channel);
+  }
   return Usage(absl::StrCat("unknown command '", command, "'"));
 }

@@ -8,6 +8,8 @@
         for r in c.attend_many([dict(q=q, k=k, v=v), dict(q=q2, k=k2, v=v2)]):
             r.index, r.o, r.error                      # pipelined on one stream
         c.info().limits.max_head_dim
+        job = c.train(task="associative_recall", steps=300)   # an offline training job
+        job.watch(), job.cancel(), job.result().weights["w_q"]
 
 causal masks are aligned to the bottom-right corner when seqlen_q != seqlen_k, as in flash_attn
 >= 2.1 (query row i sees keys j <= i + seqlen_k - seqlen_q); torch SDPA's is_causal aligns
@@ -23,12 +25,14 @@ from attnserve.errors import AttnServeError
 from attnserve.records import BatchInfo, Device, Limits, ServerInfo, SessionLimits, Stats, Timing
 from attnserve.results import AttendResult
 from attnserve.shared_memory import SharedMemoryRegion
+from attnserve.training import AsyncTrainingJob, JobStatus, TrainingJob, TrainingResult
 
 try:
     __version__ = _metadata.version("attnserve")
 except _metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["AsyncClient", "AttendResult", "AttnServeError", "BatchInfo", "Client", "Device",
-           "Limits", "ServerInfo", "SessionLimits", "SharedMemoryRegion", "Stats", "Timing",
+__all__ = ["AsyncClient", "AsyncTrainingJob", "AttendResult", "AttnServeError", "BatchInfo",
+           "Client", "Device", "JobStatus", "Limits", "ServerInfo", "SessionLimits",
+           "SharedMemoryRegion", "Stats", "Timing", "TrainingJob", "TrainingResult",
            "__version__"]

@@ -15,6 +15,7 @@ import grpc
 import grpc.aio
 
 from attnserve import _protocol
+from attnserve import training as _training
 from attnserve._proto import Stub, pb
 from attnserve.client import _Base
 from attnserve.errors import AttnServeError
@@ -36,6 +37,7 @@ class AsyncClient(_Base):
         else:
             self._channel = grpc.aio.insecure_channel(target, options=self._options)
         self._stub = Stub(self._channel)
+        self._training_stub = _training.Stub(self._channel)
 
     async def close(self):
         await self._channel.close()
@@ -52,6 +54,27 @@ class AsyncClient(_Base):
                                                      metadata=self._metadata)
         except grpc.RpcError as e:
             raise AttnServeError.from_rpc_error(e, request_id) from None
+
+    async def _training_unary(self, method, request, timeout):
+        try:
+            return await getattr(self._training_stub, method)(
+                request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AttnServeError.from_rpc_error(e) from None
+
+    async def train(self, *, timeout=None, **job):
+        """Client.train as a coroutine: an AsyncTrainingJob (await its status(), cancel(),
+        wait(), result(); `async for` over its watch())."""
+        return await _training.submit_async(self, _training.spec(**job), timeout)
+
+    def training_job(self, job_id):
+        """Client.training_job: the AsyncTrainingJob of an earlier job."""
+        return _training.AsyncTrainingJob(self, job_id)
+
+    async def training_jobs(self, *, timeout=None):
+        """Client.training_jobs as a coroutine."""
+        return _training.statuses(await self._training_unary(
+            "ListTrainingJobs", _training.tpb.ListTrainingJobsRequest(), timeout))
 
     async def info(self, *, timeout=None):
         """Client.info: the server's ServerInfo, every field."""

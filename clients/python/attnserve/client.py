@@ -11,6 +11,7 @@ import uuid
 import grpc
 
 from attnserve import _protocol
+from attnserve import training as _training
 from attnserve._proto import Stub, pb
 from attnserve.errors import AttnServeError
 from attnserve.records import ServerInfo, from_message
@@ -68,6 +69,7 @@ class Client(_Base):
         else:
             self._channel = grpc.insecure_channel(target, options=self._options)
         self._stub = Stub(self._channel)
+        self._training_stub = _training.Stub(self._channel)
 
     def close(self):
         self._channel.close()
@@ -84,6 +86,41 @@ class Client(_Base):
                                                metadata=self._metadata)
         except grpc.RpcError as e:
             raise AttnServeError.from_rpc_error(e, request_id) from None
+
+    def _training_unary(self, method, request, timeout):
+        try:
+            return getattr(self._training_stub, method)(request, timeout=self._deadline(timeout),
+                                                        metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AttnServeError.from_rpc_error(e) from None
+
+    def train(self, *, timeout=None, **job):
+        """Submits a training job of one attention layer; returns its TrainingJob handle
+        (watch(), wait(), cancel(), result() with numpy weights). training.py has the layer.
+
+        Data: task="associative_recall" (default) or "copy" with vocab_size and task_seed, or
+            inputs= and targets= arrays [num_sequences, seqlen, model_dim] (mean squared error).
+        Layer: model_dim (64), num_heads (4), num_kv_heads (num_heads), head_dim (16), causal
+            (True), window_size ((-1, -1)), residual (True), layer_norm (True).
+        Run: batch_size (16), seqlen (32), steps (300), dtype ("float32"; "float16" or
+            "bfloat16" with float32 master weights), seed, path ("auto", "fused", "naive",
+            "cpu"), checkpoint_every (0: the server's), name, initial_weights ({name: array}).
+        Optimiser: optimizer ("adamw" or "sgd"), learning_rate (1e-2), schedule ("constant",
+            "cosine", "linear"), warmup_steps, min_learning_rate, betas, eps, weight_decay,
+            max_grad_norm (0: no clipping).
+        A job the server cannot run still comes back, FAILED, with the reason in
+        job.submitted.error (and result() raises it). Raises AttnServeError.
+        """
+        return _training.submit(self, _training.spec(**job), timeout)
+
+    def training_job(self, job_id):
+        """The TrainingJob handle of a job submitted earlier (by this client's token)."""
+        return _training.TrainingJob(self, job_id)
+
+    def training_jobs(self, *, timeout=None):
+        """JobStatus of every job of this client's token, oldest first."""
+        return _training.statuses(self._training_unary(
+            "ListTrainingJobs", _training.tpb.ListTrainingJobsRequest(), timeout))
 
     def info(self, *, timeout=None):
         """The server's ServerInfo: version, devices, engines, limits, stats, ... (every field,

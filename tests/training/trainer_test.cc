@@ -1,0 +1,185 @@
+// The training core without the server: the layer's gradients against float64 finite
+// differences, a synthetic task learnt, a resumed run identical to an unbroken one, and a
+// diverging run stopped. The server tests (training_server_test.cc) repeat the first three
+// through the real binary.
+#include "server/training/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "layers/random.h"
+#include "tests/training/layer_reference.h"
+
+namespace attnserve::training {
+namespace {
+
+TrainingSpec SmallSpec() {
+  TrainingSpec spec;
+  spec.layer.model_dim = 8;
+  spec.layer.num_heads = 2;
+  spec.layer.num_kv_heads = 1;
+  spec.layer.head_dim = 4;
+  spec.layer.causal = true;
+  spec.synthetic.vocab_size = 4;
+  spec.synthetic.seed = 11;
+  spec.batch_size = 2;
+  spec.seqlen = 7;
+  spec.steps = 1;
+  spec.seed = 5;
+  spec.path = EnginePath::kCpu;
+  spec.optimizer.kind = attn::layers::OptimizerKind::kSgd;
+  spec.optimizer.learning_rate = 1.f;
+  return spec;
+}
+
+std::vector<double> ToDouble(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// One SGD step of learning rate 1 from w0 leaves w0 - g: the gradient the trainer applied.
+void ExpectGradientsMatch(const TrainingSpec& spec, BatchSource* data) {
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, data, {});
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  absl::StatusOr<TrainerState> before = (*trainer)->Save();
+  ASSERT_TRUE(before.ok()) << before.status();
+  absl::StatusOr<StepStats> stats = (*trainer)->Step();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  absl::StatusOr<TrainerState> after = (*trainer)->Save();
+  ASSERT_TRUE(after.ok()) << after.status();
+
+  testing::ReferenceProblem problem;
+  problem.layer = spec.layer;
+  problem.batch = spec.batch_size;
+  problem.seqlen = spec.seqlen;
+  HostBatch batch;
+  data->Fill(1, &batch);
+  problem.inputs = ToDouble(batch.inputs);
+  problem.labels = batch.labels;
+  problem.class_embeddings = ToDouble(data->class_embeddings());
+  problem.targets = ToDouble(batch.targets);
+  const std::vector<double> w0 = ToDouble(before->weights);
+  EXPECT_NEAR(stats->loss, testing::ReferenceLoss(problem, w0), 1e-5 * std::abs(stats->loss));
+
+  const std::vector<int64_t> indices = testing::ParameterIndices(spec.layer);
+  const std::vector<double> expected = testing::FiniteDifferences(problem, w0, indices);
+  double scale = 0, worst = 0;
+  for (double g : expected) scale = std::max(scale, std::abs(g));
+  ASSERT_GT(scale, 1e-4);
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const double got = before->weights[indices[i]] - after->weights[indices[i]];
+    worst = std::max(worst, std::abs(got - expected[i]));
+  }
+  // float32 products of a few terms each: errors near 1e-6 of the largest slope.
+  EXPECT_LT(worst, 1e-4 * scale) << "largest |dL/dw| " << scale;
+}
+
+TEST(TrainerGradients, CausalGqaClassification) {
+  TrainingSpec spec = SmallSpec();
+  SyntheticTask task(spec);
+  ExpectGradientsMatch(spec, &task);
+}
+
+TEST(TrainerGradients, ResidualLayerNormCopyTask) {
+  TrainingSpec spec = SmallSpec();
+  spec.layer.residual = true;
+  spec.layer.layer_norm = true;
+  spec.synthetic.kind = TaskKind::kCopy;
+  SyntheticTask task(spec);
+  ExpectGradientsMatch(spec, &task);
+}
+
+TEST(TrainerGradients, WindowedRegression) {
+  TrainingSpec spec = SmallSpec();
+  spec.layer.causal = false;
+  spec.layer.window_left = 2;
+  spec.layer.window_right = 1;
+  spec.layer.num_kv_heads = 2;
+  spec.layer.layer_norm = true;
+  spec.source = DataSource::kUploaded;
+  spec.upload.num_sequences = 3;
+  const int64_t values = spec.upload.num_sequences * spec.seqlen * spec.layer.model_dim;
+  std::vector<float> inputs(values), targets(values);
+  attn::layers::Random random(3);
+  for (float& x : inputs) x = static_cast<float>(random.Normal());
+  for (float& x : targets) x = static_cast<float>(random.Normal());
+  UploadedDataset data(spec, inputs, targets);
+  ExpectGradientsMatch(spec, &data);
+}
+
+// The recall task of the server test, at the threshold it uses (docs/training.md).
+TEST(TrainerLearns, AssociativeRecall) {
+  TrainingSpec spec;
+  spec.layer.model_dim = 64;
+  spec.layer.num_heads = 4;
+  spec.layer.num_kv_heads = 2;
+  spec.layer.head_dim = 16;
+  spec.layer.causal = true;
+  spec.layer.residual = true;
+  spec.layer.layer_norm = true;
+  spec.synthetic.vocab_size = 16;
+  spec.batch_size = 16;
+  spec.seqlen = 32;
+  spec.steps = 150;
+  spec.optimizer.learning_rate = 1e-2f;
+  SyntheticTask task(spec);
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, &task, {});
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  std::vector<double> losses;
+  for (int64_t i = 0; i < spec.steps; ++i) {
+    absl::StatusOr<StepStats> stats = (*trainer)->Step();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    losses.push_back(stats->loss);
+  }
+  const double last10 = std::accumulate(losses.end() - 10, losses.end(), 0.0) / 10;
+  EXPECT_GT(losses.front(), 2.0);  // chance is ln 16 = 2.77
+  EXPECT_LT(last10, 0.1);
+}
+
+TEST(TrainerResume, RestoredRunMatchesUnbrokenRun) {
+  TrainingSpec spec = SmallSpec();
+  spec.optimizer.kind = attn::layers::OptimizerKind::kAdamW;
+  spec.optimizer.learning_rate = 1e-2f;
+  spec.optimizer.schedule = attn::layers::Schedule::kCosine;
+  spec.optimizer.warmup_steps = 3;
+  spec.optimizer.weight_decay = 0.1f;
+  spec.optimizer.max_grad_norm = 0.5f;
+  spec.layer.dtype = attn::DType::kF16;
+  spec.steps = 20;
+  SyntheticTask task(spec);
+  absl::StatusOr<std::unique_ptr<Trainer>> straight = Trainer::Create(spec, &task, {});
+  ASSERT_TRUE(straight.ok()) << straight.status();
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE((*straight)->Step().ok());
+
+  absl::StatusOr<std::unique_ptr<Trainer>> first = Trainer::Create(spec, &task, {});
+  ASSERT_TRUE(first.ok());
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE((*first)->Step().ok());
+  absl::StatusOr<TrainerState> checkpoint = (*first)->Save();
+  ASSERT_TRUE(checkpoint.ok());
+  absl::StatusOr<std::unique_ptr<Trainer>> resumed = Trainer::Create(spec, &task, {});
+  ASSERT_TRUE(resumed.ok());
+  ASSERT_TRUE((*resumed)->Restore(*checkpoint).ok());
+  for (int i = 0; i < 12; ++i) ASSERT_TRUE((*resumed)->Step().ok());
+  EXPECT_EQ((*resumed)->step(), 20);
+  EXPECT_EQ((*resumed)->Save()->weights, (*straight)->Save()->weights);
+}
+
+TEST(TrainerDiverges, NanLossStopsTheRun) {
+  TrainingSpec spec = SmallSpec();
+  spec.optimizer.kind = attn::layers::OptimizerKind::kAdamW;
+  spec.optimizer.learning_rate = 1e20f;
+  spec.steps = 200;
+  SyntheticTask task(spec);
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, &task, {});
+  ASSERT_TRUE(trainer.ok());
+  absl::Status failure;
+  for (int i = 0; i < 200 && failure.ok(); ++i) failure = (*trainer)->Step().status();
+  EXPECT_EQ(failure.code(), absl::StatusCode::kInvalidArgument) << failure;
+  EXPECT_NE(failure.message().find("the loss is NaN; training stopped"), std::string::npos)
+      << failure;
+}
+
+}  // namespace
+}  // namespace attnserve::training
