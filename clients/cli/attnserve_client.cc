@@ -8,6 +8,8 @@
 //                           [--rpc=unary|stream --streams=4] [--duration=5s] [--json]
 //                           [--shared_memory]
 //   attnserve_client backward [shape flags] [--send_forward] [--check] [--count=N] [--json]
+//   attnserve_client session {create|append|attend|get|list|delete} [flags]
+//   attnserve_client bench --sessions=N --context=L [--stateless] [--check]  (session_command.h)
 //   attnserve_client train {submit|watch|status|cancel|result} [flags]  (train_command.h)
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
@@ -34,6 +36,7 @@
 #include "clients/cli/npy_file.h"
 #include "clients/cli/reference_check.h"
 #include "clients/cli/request_factory.h"
+#include "clients/cli/session_command.h"
 #include "clients/cli/shared_memory_buffer.h"
 #include "clients/cli/train_command.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -456,6 +459,9 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
       return 1;
     }
   }
+  if (attnserve::client::SessionBenchRequested()) {
+    return attnserve::client::RunSessionBench(factory, channels);
+  }
   // By reference: the pool's tensors and one O slot per request in flight in one region.
   std::unique_ptr<attnserve::client::SharedMemoryBuffer> buffer;
   attnserve::client::SharedMemoryTensors shared_memory;
@@ -535,12 +541,15 @@ int main(int argc, char** argv) {
   };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "attnserve_client {info|health|attend|bench|backward|train} [flags]: talk to an attnserve "
-      "server.");
+      "attnserve_client {info|health|attend|bench|backward|session|train} [flags]: talk to an "
+      "attnserve server.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  const bool train = args.size() >= 2 && std::string(args[1]) == "train";  // train <command>
-  if (args.size() != 2 && !train)
-    return Usage("expected one command: info, health, attend, bench, backward or train");
+  // train <command> and session <command> take one more word.
+  const bool train = args.size() >= 2 && std::string(args[1]) == "train";
+  const bool session = args.size() >= 2 && std::string(args[1]) == "session";
+  if (args.size() != 2 && !train && !session) {
+    return Usage("expected one command: info, health, attend, bench, backward, session or train");
+  }
   const std::string command = args[1];
 
   ChannelOptions options;
@@ -560,6 +569,10 @@ int main(int argc, char** argv) {
   if (command == "backward") return Backward(factory, *channel);
   if (train) {
     return attnserve::client::RunTrainCommand({args.begin() + 2, args.end()}, factory, *channel);
+  }
+  if (command == "session") {
+    return attnserve::client::RunSessionCommand(
+        factory, *channel, std::vector<std::string>(args.begin() + 2, args.end()));
   }
   return Usage(absl::StrCat("unknown command '", command, "'"));
 }
