@@ -25,11 +25,9 @@ constexpr int64_t kAlignment = 256;
 constexpr int64_t kMinCapacity = int64_t{1} << 20;
 
 // When a batch's copies between page-locked host memory and the device go as one kernel whose
-// threads read (write) the host memory instead of one DMA per copy. The copy engines pay
-// ~0.6-2 us per copy and move ~50 GB/s, the kernel ~5-8 us per launch and ~44 GB/s (r33 on the
-// H200, bench/cuda/attn_copy_bench): 14 small requests' 42 Q/K/V copies 63 us instead of 89,
-// their 14 O copies 25 us instead of 32; at 1-4 requests the DMAs win. A copy's fixed cost
-// outweighs the slower bandwidth below ~256 KiB.
+// threads read (write) the host memory instead of one DMA per copy: the copy engines pay a fixed
+// cost per copy that outweighs the kernel's slower bandwidth below ~256 KiB, and at 1-4 requests
+// the DMAs win (docs/server-performance.md has the measurements, bench/cuda/attn_copy_bench).
 constexpr size_t kKernelCopyMinCount = 8;
 constexpr int64_t kKernelCopyMaxAverageBytes = int64_t{256} << 10;
 

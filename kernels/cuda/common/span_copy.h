@@ -1,6 +1,6 @@
 // Many small copies as one kernel launch. A batch of small requests has dozens of host<->device
-// copies; the copy engines pay ~0.5-0.85 us per copy on top of the bytes (r32,
-// docs/server-performance.md), while one kernel whose threads load from (or store to)
+// copies; the copy engines pay a fixed cost per copy on top of the bytes
+// (docs/server-performance.md), while one kernel whose threads load from (or store to)
 // page-locked, device-mapped host memory moves them all at PCIe speed for one launch.
 #pragma once
 

@@ -1,0 +1,25 @@
+# The wire at the door: what the server and the clients share lives in proto/ (the generated
+# messages and proto/wire), so clients/ never includes a header of server/, and proto/wire
+# includes neither server/ nor clients/.
+# Run as: cmake -DROOT=<the repository> -P wire_layers.cmake (a CTest, tests/common).
+cmake_minimum_required(VERSION 3.25)
+set(errors "")
+set(checked 0)
+foreach(room clients proto/wire)
+  file(GLOB_RECURSE files ${ROOT}/${room}/*.h ${ROOT}/${room}/*.cc)
+  foreach(file IN LISTS files)
+    math(EXPR checked "${checked} + 1")
+    file(STRINGS ${file} includes REGEX "^[ \t]*#[ \t]*include[ \t]*\"(server|clients)/")
+    foreach(line IN LISTS includes)
+      string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*\"([^\"]+)\".*" "\\1" target "${line}")
+      file(RELATIVE_PATH rel ${ROOT} ${file})
+      if(target MATCHES "^server/" OR (room STREQUAL "proto/wire" AND target MATCHES "^clients/"))
+        string(APPEND errors "  ${rel} includes ${target}\n")
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+if(NOT errors STREQUAL "")
+  message(FATAL_ERROR "includes that run from the wire or the clients into the server:\n${errors}")
+endif()
+message(STATUS "wire_layers: ${checked} files, no include of server/ from clients/ or proto/wire")
