@@ -11,6 +11,8 @@
 //   attnserve_client session {create|append|attend|get|list|delete} [flags]
 //   attnserve_client bench --sessions=N --context=L [--stateless] [--check]  (session_command.h)
 //   attnserve_client train {submit|watch|status|cancel|result} [flags]  (train_command.h)
+//   attnserve_client explain [--q_block=4] [--kv_tile=16] [--seqlen=32] [--head_dim=64]
+//                            [--causal] [--seed=1] [--json]  (explain_command.h; no server)
 //
 // Exit status: 0 success, 1 an RPC failed or --check found a mismatch, 2 bad usage.
 #include <google/protobuf/util/json_util.h>
@@ -32,6 +34,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "clients/cli/channel_factory.h"
+#include "clients/cli/explain_command.h"
 #include "clients/cli/load_generator.h"
 #include "clients/cli/npy_file.h"
 #include "clients/cli/reference_check.h"
@@ -537,20 +540,22 @@ int main(int argc, char** argv) {
   attnserve::SkipMutexDeadlockDetectionInOptimizedBuilds();  // the load generator's locks
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {
-    return absl::EndsWith(path, "attnserve_client.cc");
+    return absl::StrContains(path, "clients/cli/");  // every command's flags
   };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "attnserve_client {info|health|attend|bench|backward|session|train} [flags]: talk to an "
-      "attnserve server.");
+      "attnserve_client {info|health|attend|bench|backward|session|train|explain} [flags]: talk "
+      "to an attnserve server (explain: the online softmax step by step, locally).");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   // train <command> and session <command> take one more word.
   const bool train = args.size() >= 2 && std::string(args[1]) == "train";
   const bool session = args.size() >= 2 && std::string(args[1]) == "session";
   if (args.size() != 2 && !train && !session) {
-    return Usage("expected one command: info, health, attend, bench, backward, session or train");
+    return Usage(
+        "expected one command: info, health, attend, bench, backward, session, train or explain");
   }
   const std::string command = args[1];
+  if (command == "explain") return attnserve::client::RunExplainCommand();
 
   ChannelOptions options;
   options.target = absl::GetFlag(FLAGS_target);

@@ -10,15 +10,19 @@
 //   acc = acc * alpha + P V,  l = l * alpha + rowsum(P),  m = m_new.
 // At the end O = acc / l and LSE = m + log(l). No query-length x key-length buffer exists.
 // Keys and values come from dense [total_k, kv_heads, d] tensors or, for KV sessions, from pages
-// through a block table (attn/paged_kv.h); only where a key row is found differs.
+// through a block table (attn/paged_kv.h); only where a key row is found differs. A TileTrace
+// (tile_trace.h), null except under TracedForwardBlock, observes each step of the update.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "attn/status_macros.h"
 #include "cpu/float_rows.h"
 #include "cpu/micro_kernels.h"
 #include "cpu/tile_config.h"
+#include "cpu/tile_trace.h"
 #include "cpu/tiled_kernels.h"
 #include "cpu/vec_math.h"
 
@@ -59,7 +63,8 @@ struct ForwardScratch {
 ATTN_CPU_CLONES void ForwardTile(int rows, int d, float scale, const float* __restrict q,
                                  const float* __restrict kt, const float* __restrict v,
                                  const int* col_begin, const int* col_end, float* __restrict m,
-                                 float* __restrict l, float* __restrict acc, float* __restrict s) {
+                                 float* __restrict l, float* __restrict acc, float* __restrict s,
+                                 TileTrace* trace) {
   for (int i = 0; i < rows; ++i) {
     const int jb = col_begin[i], je = col_end[i];
     if (jb >= je) continue;
@@ -79,7 +84,9 @@ ATTN_CPU_CLONES void ForwardTile(int rows, int d, float scale, const float* __re
     // Only infinite scores make m_new = -inf; subtracting 0 then keeps exp() away from -inf+inf.
     const float base = m_new == kNegInf ? 0.f : m_new;
     const float alpha = ExpFloat(m[i] - base);
+    if (trace != nullptr) trace->Scores(i, s, jb, je, row_max, m[i], m_new, alpha);
     for (int j = jb; j < je; ++j) s[j] = ExpFloat(s[j] - base);  // P
+    if (trace != nullptr) trace->Probabilities(i, s, jb, je);
     float row_sum = 0.f;
     for (int j = jb; j < je; ++j) row_sum += s[j];
     float* acc_i = acc + static_cast<int64_t>(i) * d;
@@ -100,7 +107,7 @@ ATTN_CPU_CLONES void ForwardFullTile(int rows, int d, int cols, float scale,
                                      const float* __restrict q, const float* __restrict kt,
                                      const float* __restrict v, float* __restrict m,
                                      float* __restrict l, float* __restrict acc,
-                                     float* __restrict s) {
+                                     float* __restrict s, TileTrace* trace) {
   int i = 0;
   for (; i + 4 <= rows; i += 4) RowsTimesPanel<4>(q + i * d, d, kt, d, s + i * kBlockK);
   for (; i < rows; ++i) RowsTimesPanel<1>(q + i * d, d, kt, d, s + i * kBlockK);
@@ -118,7 +125,9 @@ ATTN_CPU_CLONES void ForwardFullTile(int rows, int d, int cols, float scale,
     const float m_new = m[i] > row_max ? m[i] : row_max;
     const float base = m_new == kNegInf ? 0.f : m_new;
     const float alpha = ExpFloat(m[i] - base);
+    if (trace != nullptr) trace->Scores(i, si, 0, cols, row_max, m[i], m_new, alpha);
     for (int j = 0; j < kBlockK; ++j) si[j] = ExpFloat(si[j] - base);  // P
+    if (trace != nullptr) trace->Probabilities(i, si, 0, cols);
     V16 sum16 = Load16(si);
     for (int j = 16; j < kBlockK; j += 16) sum16 += Load16(si + j);
     float row_sum = 0.f;
@@ -160,9 +169,12 @@ struct PagedKeys {
   int64_t VOffset(int b, int64_t t, int h) const { return KOffset(b, t, h) + v_offset; }
 };
 
+// `tile_keys` (at most kBlockK) and `trace` differ from kBlockK and null only under
+// TracedForwardBlock.
 template <typename Keys>
 void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const Keys& keys,
-                  const RowBlock& blk, int h, ForwardScratch& sc) {
+                  const RowBlock& blk, int h, ForwardScratch& sc, int tile_keys = kBlockK,
+                  TileTrace* trace = nullptr) {
   const int d = p.head_dim;
   const int kvh = h / p.group_size();
   const int64_t q_start = p.cu_seqlens_q[blk.b] + blk.row0;
@@ -184,8 +196,8 @@ void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const Keys& k
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + blk.rows * d, 0.f);
 
-  for (int64_t k0 = first_key / kBlockK * kBlockK; k0 < last_key; k0 += kBlockK) {
-    const int cols = static_cast<int>(std::min<int64_t>(kBlockK, lk - k0));
+  for (int64_t k0 = first_key / tile_keys * tile_keys; k0 < last_key; k0 += tile_keys) {
+    const int cols = static_cast<int>(std::min<int64_t>(tile_keys, lk - k0));
     for (int j = 0; j < cols; ++j) {
       LoadRow(keys.k, p.dtype, keys.KOffset(blk.b, k0 + j, kvh), d, sc.row.data());
       for (int c = 0; c < d; ++c) sc.kt[c * kBlockK + j] = sc.row[c];
@@ -197,13 +209,15 @@ void ForwardBlock(const AttentionProblem& p, const ForwardArgs& a, const Keys& k
       sc.col_end[i] = static_cast<int>(std::clamp<int64_t>(sc.key_end[i] - k0, 0, cols));
       full = full && sc.col_begin[i] == 0 && sc.col_end[i] == cols;
     }
+    if (trace != nullptr) trace->BeginTile(k0, cols, !full);
     if (full) {
       ForwardFullTile(blk.rows, d, cols, scale, sc.q.data(), sc.kt.data(), sc.v.data(), sc.m.data(),
-                      sc.l.data(), sc.acc.data(), sc.s.data());
-      continue;
+                      sc.l.data(), sc.acc.data(), sc.s.data(), trace);
+    } else {
+      ForwardTile(blk.rows, d, scale, sc.q.data(), sc.kt.data(), sc.v.data(), sc.col_begin.data(),
+                  sc.col_end.data(), sc.m.data(), sc.l.data(), sc.acc.data(), sc.s.data(), trace);
     }
-    ForwardTile(blk.rows, d, scale, sc.q.data(), sc.kt.data(), sc.v.data(), sc.col_begin.data(),
-                sc.col_end.data(), sc.m.data(), sc.l.data(), sc.acc.data(), sc.s.data());
+    if (trace != nullptr) trace->EndTile(blk.rows, d, sc.m.data(), sc.l.data(), sc.acc.data());
   }
 
   const int64_t total_q = p.total_q();
@@ -253,6 +267,30 @@ void TiledForwardPaged(const AttentionProblem& p, const PagedForwardArgs& a, Thr
              PagedKeys{a.kv.pages, a.kv.pages, a.kv, PagedKV::TokenStride(p), a.kv.v_offset(p),
                        p.head_dim, shift},
              pool);
+}
+
+absl::Status TracedForwardBlock(const AttentionProblem& p, const ForwardArgs& a, int b,
+                                int64_t row0, int rows, int head, int kv_tile, TileTrace& trace) {
+  ATTN_RETURN_IF_ERROR(ValidateForward(p, a));
+  if (b < 0 || b >= p.batch()) {
+    return absl::InvalidArgumentError(absl::StrCat("b: no sequence ", b, " in ", p.batch()));
+  }
+  if (rows < 1 || rows > kBlockQ || row0 < 0 || row0 + rows > p.seqlen_q(b)) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: [", row0, ", ", row0 + rows,
+                                                   ") is not a block of at most ", kBlockQ,
+                                                   " of the sequence's ", p.seqlen_q(b), " rows"));
+  }
+  if (head < 0 || head >= p.num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("head: ", head, " of ", p.num_heads));
+  }
+  if (kv_tile < 1 || kv_tile > kBlockK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_tile: ", kv_tile, " keys, the engine's tiles hold 1 to ", kBlockK));
+  }
+  ForwardScratch scratch(p.head_dim);
+  ForwardBlock(p, a, DenseKeys{a.k.data, a.v.data, a.k, a.v, p.cu_seqlens_k},
+               RowBlock{b, row0, rows}, head, scratch, kv_tile, &trace);
+  return absl::OkStatus();
 }
 
 }  // namespace attn::cpu
