@@ -173,6 +173,15 @@ int main(int argc, char** argv) {
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::EndsWith(path, "server/main.cc");
   };
+  usage.version_string = [] {
+#if defined(ATTN_HAVE_CUDA)
+    constexpr char kEngines[] = "CUDA and CPU engines";
+#else
+    constexpr char kEngines[] = "CPU engines only";
+#endif
+    return absl::StrCat("attnserve ", ATTN_VERSION, " (", ATTN_BUILD_TYPE, " build, ", kEngines,
+                        ")\n");
+  };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("The attnserve gRPC attention server. Flags:");
   absl::ParseCommandLine(argc, argv);

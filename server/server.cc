@@ -26,7 +26,7 @@ namespace attnserve {
 namespace {
 
 constexpr char kServiceName[] = "attnserve.v1.AttentionService";
-constexpr char kVersion[] = "0.1.0";
+constexpr char kVersion[] = ATTN_VERSION;  // CMake's project version
 
 // Writes `port` to `path` atomically (a reader never sees a partial file).
 absl::Status WritePortFile(const std::string& path, int port, const char* flag) {

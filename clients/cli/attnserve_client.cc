@@ -93,6 +93,9 @@ ABSL_FLAG(bool, send_forward, false,
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments, name=value[,name=value...] (integers as integers)");
 ABSL_FLAG(int, streams, 4, "bench --rpc=stream: AttendStream calls, spread over the channels");
+ABSL_FLAG(absl::Duration, progress_every, absl::Seconds(1),
+          "bench: while a level runs, a progress line on stderr this often (on a terminal one "
+          "line, rewritten in place up to four times a second); 0 = none");
 ABSL_FLAG(bool, shared_memory, false,
           "attend, bench: send Q, K, V by reference to a shared-memory region registered with "
           "the server, and get O back in it (same host only)");
@@ -495,6 +498,7 @@ int Bench(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> channel)
   attnserve::client::LoadGenerator generator(&factory, channels, std::move(pool),
                                              absl::GetFlag(FLAGS_timeout),
                                              buffer != nullptr ? &shared_memory : nullptr);
+  generator.ShowProgress(stderr, absl::GetFlag(FLAGS_progress_every));
   std::vector<attnserve::client::LoadResult> results;
   const bool json = absl::GetFlag(FLAGS_json);
   const std::string rpc = absl::GetFlag(FLAGS_rpc);
@@ -541,6 +545,9 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view path) {
     return absl::StrContains(path, "clients/cli/");  // every command's flags
+  };
+  usage.version_string = [] {
+    return absl::StrCat("attnserve_client ", ATTN_VERSION, " (", ATTN_BUILD_TYPE, " build)\n");
   };
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(

@@ -1,6 +1,7 @@
 #include "clients/cli/load_generator.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "proto/wire/request_decoder.h"
 
@@ -50,6 +52,77 @@ double Percentile(const std::vector<double>& sorted, double q) {
 }
 
 }  // namespace
+
+// Reports one level's progress from a thread of its own until Stop.
+class LoadGenerator::ProgressWatch {
+ public:
+  ProgressWatch(const LoadGenerator& generator, LevelProgress level, Tally* tally)
+      : level_(std::move(level)), tally_(tally), report_(generator.progress_) {
+    if (!report_) return;
+    const absl::Duration every = generator.progress_every_;
+    const absl::Time start = absl::Now();
+    thread_ = std::thread([this, every, start] {
+      while (!stop_.WaitForNotificationWithTimeout(every)) Report(absl::Now() - start, false);
+      Report(absl::Now() - start, true);
+    });
+  }
+  ~ProgressWatch() { Stop(); }
+
+  // The last report (done) and the thread's end.
+  void Stop() {
+    if (!thread_.joinable()) return;
+    stop_.Notify();
+    thread_.join();
+  }
+
+ private:
+  void Report(absl::Duration elapsed, bool done) {
+    LevelProgress now = level_;
+    now.elapsed = elapsed;
+    now.done = done;
+    {
+      absl::MutexLock lock(&tally_->mu);
+      now.ok = static_cast<int64_t>(tally_->samples.size());
+      for (const auto& [code, n] : tally_->errors) now.errors += n;
+    }
+    report_(now);
+  }
+
+  const LevelProgress level_;
+  Tally* const tally_;
+  const std::function<void(const LevelProgress&)> report_;
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+void LoadGenerator::SetProgress(absl::Duration every,
+                                std::function<void(const LevelProgress&)> report) {
+  progress_every_ = every;
+  progress_ = std::move(report);
+}
+
+void LoadGenerator::ShowProgress(FILE* out, absl::Duration every) {
+  if (every <= absl::ZeroDuration()) return;
+  const bool terminal = isatty(fileno(out)) != 0;
+  SetProgress(terminal ? std::min(every, absl::Milliseconds(250)) : every,
+              [out, terminal](const LevelProgress& p) {
+                if (terminal) {
+                  std::fprintf(out, "\r\033[K%s", p.done ? "" : p.ToText().c_str());
+                } else if (!p.done) {
+                  std::fprintf(out, "%s\n", p.ToText().c_str());
+                }
+                std::fflush(out);
+              });
+}
+
+std::string LevelProgress::ToText() const {
+  const double seconds = absl::ToDoubleSeconds(elapsed);
+  return absl::StrFormat("bench: %s %s, %g %s: %.1f s of %.1f s%s, %d ok (%.0f req/s), %d errors",
+                         mode, rpc, level, mode == "open" ? "req/s offered" : "in flight", seconds,
+                         absl::ToDoubleSeconds(duration),
+                         elapsed > duration ? ", waiting for the last answers" : "", ok,
+                         seconds > 0 ? ok / seconds : 0.0, errors);
+}
 
 std::string StatusCodeName(grpc::StatusCode code) {
   static const char* const kNames[] = {"OK",
@@ -171,6 +244,8 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
   tally.cpu_at_start = ProcessCpuSeconds();
   const absl::Time start = absl::Now();
   const absl::Time stop = start + duration;
+  ProgressWatch progress(*this, {"closed", "unary", static_cast<double>(concurrency), {}, duration},
+                         &tally);
   std::vector<std::thread> clients;
   for (int c = 0; c < concurrency; ++c) {
     clients.emplace_back([&, c] {
@@ -204,6 +279,7 @@ LoadResult LoadGenerator::RunClosedLoop(int concurrency, absl::Duration duration
     });
   }
   for (std::thread& t : clients) t.join();
+  progress.Stop();
   return Summarize("closed", "unary", concurrency, absl::Now() - start, tally);
 }
 
@@ -214,6 +290,8 @@ LoadResult LoadGenerator::RunClosedLoopStream(int concurrency, int streams,
   tally.cpu_at_start = ProcessCpuSeconds();
   const absl::Time start = absl::Now();
   const absl::Time stop = start + duration;
+  ProgressWatch progress(
+      *this, {"closed", "stream", static_cast<double>(concurrency), {}, duration}, &tally);
   std::vector<std::thread> threads;
   int first_slot = 0;
   for (int s = 0; s < streams; ++s) {
@@ -224,6 +302,7 @@ LoadResult LoadGenerator::RunClosedLoopStream(int concurrency, int streams,
     first_slot += depth;
   }
   for (std::thread& t : threads) t.join();
+  progress.Stop();
   LoadResult r = Summarize("closed", "stream", concurrency, absl::Now() - start, tally);
   r.streams = streams;
   return r;
@@ -331,6 +410,7 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
   const absl::Time start = absl::Now();
   const absl::Time stop = start + duration;
   absl::Time next_send = start;
+  ProgressWatch progress(*this, {"open", "unary", requests_per_s, {}, duration}, &tally);
   size_t next = 0;
   while (next_send < stop) {
     absl::SleepFor(next_send - absl::Now());
@@ -365,6 +445,7 @@ LoadResult LoadGenerator::RunOpenLoop(double requests_per_s, absl::Duration dura
     mu.Await(absl::Condition(
         +[](int* n) { return *n == 0; }, &outstanding));
   }
+  progress.Stop();
   return Summarize("open", "unary", requests_per_s, absl::Now() - start, tally);
 }
 

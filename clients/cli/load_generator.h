@@ -20,6 +20,8 @@
 #include <grpcpp/impl/rpc_method.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -65,6 +67,18 @@ struct LoadResult {
   std::string ToText() const;
 };
 
+// What a level has done so far, while it runs (LoadGenerator::SetProgress).
+struct LevelProgress {
+  std::string mode;  // "closed" or "open"
+  std::string rpc;   // "unary" or "stream"
+  double level = 0;  // concurrency (closed) or offered requests/s (open)
+  absl::Duration elapsed, duration;
+  int64_t ok = 0, errors = 0;
+  bool done = false;  // the level's last call: it has ended
+
+  std::string ToText() const;
+};
+
 // Where the pool's tensors go when they travel by reference.
 struct SharedMemoryTensors {
   std::string region;                    // the name `buffer` is registered under
@@ -89,7 +103,15 @@ class LoadGenerator {
   LoadResult RunClosedLoopStream(int concurrency, int streams, absl::Duration duration);
   LoadResult RunOpenLoop(double requests_per_s, absl::Duration duration);
 
+  // While a level runs, `report` gets its progress every `every`, then once with done = true
+  // when it ends, from a thread of the generator's own (the client threads never wait for it).
+  void SetProgress(absl::Duration every, std::function<void(const LevelProgress&)> report);
+  // SetProgress with a printer to `out`: on a terminal one line rewritten in place four times a
+  // second and erased when the level ends; otherwise a line every `every` (none if it is 0).
+  void ShowProgress(FILE* out, absl::Duration every);
+
  private:
+  class ProgressWatch;  // one level's progress thread
   struct Sample {
     absl::Duration latency;
     size_t request;
@@ -134,6 +156,8 @@ class LoadGenerator {
   std::vector<double> flops_;
   std::vector<int64_t> tokens_;
   absl::Duration timeout_;
+  absl::Duration progress_every_;
+  std::function<void(const LevelProgress&)> progress_;  // empty: no progress reports
 };
 
 std::string StatusCodeName(grpc::StatusCode code);
