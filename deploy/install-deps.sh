@@ -33,7 +33,8 @@ command -v npm >/dev/null 2>&1 || packages+=(npm)
 # modules, setuptools and wheel build it (running protobuf-compiler's protoc), python3-build makes
 # its wheel and sdist.
 packages+=(python3-venv python3-pip python3-setuptools python3-wheel python3-build)
-# clients/python/examples/train_recall.py plots a training job's loss curve to PNG.
+# PNG plots: bench/plot.py draws docs/images/ from docs/results/ (ctest docs_plots), and
+# clients/python/examples/train_recall.py a training job's loss curve.
 packages+=(python3-matplotlib)
 
 # The clang runtime package carries clang's major version in its name (libclang-rt-14-dev on
