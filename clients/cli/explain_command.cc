@@ -142,6 +142,7 @@ absl::StatusOr<Explanation> Explain(const Options& opt) {
   Explanation e;
   e.problem = attn::DenseProblem(attn::DType::kF32, 1, opt.seqlen, opt.seqlen, 1, 1, opt.head_dim,
                                  opt.causal);
+  if (absl::Status s = attn::ValidateProblem(e.problem); !s.ok()) return s;  // before sizing
   e.seed = opt.seed;
   e.rows = opt.q_block;
   e.row0 = opt.seqlen - opt.q_block;

@@ -141,9 +141,11 @@ def main():
         check_text(client, case)
         print(f"explain_check: ok {' '.join(case) or '(defaults)'}: {tiles} tiles, "
               f"max |O - softmax(S) V| {err:.2g}")
-    bad = subprocess.run([client, "explain", "--kv_tile=65"], capture_output=True, text=True)
-    if bad.returncode != 2 or "--kv_tile" not in bad.stderr:
-        fail(["--kv_tile=65"], f"exit {bad.returncode}, {bad.stderr.strip()!r}")
+    for flag, named in (("--kv_tile=65", "--kv_tile"), ("--q_block=0", "--q_block"),
+                        ("--seqlen=0", "--seqlen"), ("--head_dim=-1", "head_dim")):
+        bad = subprocess.run([client, "explain", flag], capture_output=True, text=True)
+        if bad.returncode != 2 or named not in bad.stderr:
+            fail([flag], f"exit {bad.returncode}, {bad.stderr.strip()!r}")
 
 
 if __name__ == "__main__":
