@@ -102,10 +102,16 @@ def test_jobs_are_private_to_their_token(binary, tmp_path):
         with attnserve.Client(s.target, token="tok-alice-0001") as alice, \
                 attnserve.Client(s.target, token="tok-bob-00001") as bob:
             job = alice.train(steps=10)
-            for call in (lambda j: j.status(), lambda j: j.cancel(), lambda j: list(j.watch())):
+            with pytest.raises(attnserve.AttnServeError) as e:
+                bob.training_job(job.job_id)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            handle = attnserve.TrainingJob(bob, job.job_id)  # as if bob had learnt the id
+            for call in (handle.status, handle.cancel, lambda: list(handle.watch()),
+                         handle.result):
                 with pytest.raises(attnserve.AttnServeError) as e:
-                    call(bob.training_job(job.job_id))
+                    call()
                 assert e.value.code == grpc.StatusCode.NOT_FOUND
+            assert alice.training_job(job.job_id).submitted.job_id == job.job_id
             assert bob.training_jobs() == []
             assert job.result(timeout=60).state == "succeeded"
             assert [j.job_id for j in alice.training_jobs()] == [job.job_id]

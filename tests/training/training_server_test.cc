@@ -4,9 +4,14 @@
 // staying up), gradients through the server against float64 finite differences, and Attend
 // latency while a job runs. Each test prints one "[training] ..." line of what it measured.
 // Servers use one CPU thread for Attend and one for training: the build machine has two cores.
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -190,6 +195,41 @@ std::vector<float> Floats(const std::string& bytes) {
 std::string Bytes(const std::vector<float>& v) {
   return v.empty() ? std::string()
                    : std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+// The body of GET http://127.0.0.1:port/metrics (HTTP/1.0: the exporter closes after it).
+std::string Scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval timeout{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (send(fd, request.data(), request.size(), 0) == static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      for (ssize_t n; (n = recv(fd, buffer, sizeof(buffer), 0)) > 0;) response.append(buffer, n);
+    }
+  }
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+// The value of the sample named exactly `series` (name and labels), or -1.
+double Sample(const std::string& text, const std::string& series) {
+  const std::string prefix = series + " ";
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    if (text.compare(at, prefix.size(), prefix) == 0) {
+      return std::strtod(text.c_str() + at + prefix.size(), nullptr);
+    }
+    at = end + 1;
+  }
+  return -1;
 }
 
 double Median(std::vector<double> v) {
@@ -517,6 +557,96 @@ TEST(TrainingServer, BadJobsEndFailedWithTheirMessageAndTheServerStaysUp) {
   ASSERT_TRUE(c.List(&listed).ok());
   EXPECT_EQ(listed.jobs_size(), static_cast<int>(cases.size()));
   Report("bad jobs", figures);
+  EXPECT_EQ(server->Stop(SIGTERM), 0);
+  std::filesystem::remove_all(dir);
+}
+
+// Runs `command`, returns its exit status and what it printed.
+int RunCommand(const std::string& command, std::string* output) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buffer[4096];
+  for (size_t n; (n = fread(buffer, 1, sizeof(buffer), pipe)) > 0;) output->append(buffer, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(TrainingServer, CommandLineClientSubmitsWatchesAndCollects) {
+  auto server = StartServer({});
+  char dir_template[] = "/tmp/attnserve_cli_XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string client = absl::StrCat(ATTN_CLIENT_BINARY, " --target=", server->target());
+  std::string submitted;
+  ASSERT_EQ(
+      RunCommand(client + " train submit --head_dim=16 --causal --steps=60 --follow", &submitted),
+      0)
+      << submitted;
+  EXPECT_TRUE(absl::StrContains(submitted, "step 60/60")) << submitted;
+  EXPECT_TRUE(absl::StrContains(submitted, "SUCCEEDED")) << submitted;
+  EXPECT_TRUE(absl::StrContains(submitted, "tokens/s  ETA")) << submitted;  // while it ran
+  const std::string id = submitted.substr(0, submitted.find(' '));
+  std::string listed, result, refused;
+  ASSERT_EQ(RunCommand(client + " train status", &listed), 0) << listed;
+  EXPECT_TRUE(absl::StartsWith(listed, id)) << listed;
+  ASSERT_EQ(RunCommand(absl::StrCat(client, " train result --job=", id, " --weights_dir=", dir,
+                                    "/w --curve_csv=", dir, "/loss.csv"),
+                       &result),
+            0)
+      << result;
+  EXPECT_TRUE(absl::StrContains(result, "w_q[64x64]")) << result;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/w/w_q.npy"));
+  std::ifstream curve(dir + "/loss.csv");
+  int lines = 0;
+  for (std::string line; std::getline(curve, line);) ++lines;
+  EXPECT_EQ(lines, 61);  // the header and one line per step
+  EXPECT_EQ(RunCommand(client + " train submit --steps=0", &refused), 1);
+  EXPECT_TRUE(absl::StrContains(refused, "FAILED: steps: 0")) << refused;
+  EXPECT_EQ(RunCommand(client + " train watch", &refused), 2);  // no --job
+  Report("cli", absl::StrCat("submit --follow, status, result (", lines - 1,
+                             " curve points, six .npy weights)"));
+  EXPECT_EQ(server->Stop(SIGTERM), 0);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainingServer, MetricsFollowTheJobs) {
+  char dir_template[] = "/tmp/attnserve_training_XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  auto server = StartServer({"--training_dir=" + dir, "--metrics_address=127.0.0.1:0",
+                             "--metrics_port_file=" + dir + "/metrics_port"});
+  int port = 0;
+  std::ifstream(dir + "/metrics_port") >> port;
+  ASSERT_GT(port, 0);
+  const Client c(*server);
+  v1::TrainingJobSpec spec = RecallSpec(120);
+  spec.set_checkpoint_every(50);
+  const std::string done = c.SubmitOk(spec).job_id();
+  ASSERT_EQ(c.WaitFinished(done).state(), v1::TRAINING_JOB_SUCCEEDED);
+  const std::string running = c.SubmitOk(RecallSpec(1000000)).job_id();
+  c.WaitFor(running, [](const v1::TrainingJob& j) { return j.progress().step() >= 3; });
+  const std::string during = Scrape(port);
+  EXPECT_EQ(Sample(during, "attnserve_training_jobs{state=\"succeeded\"}"), 1);
+  EXPECT_EQ(Sample(during, "attnserve_training_jobs{state=\"running\"}"), 1);
+  EXPECT_GT(Sample(during, "attnserve_training_loss{worker=\"0\"}"), 0);
+  EXPECT_GT(Sample(during, "attnserve_training_tokens_per_second{worker=\"0\"}"), 0);
+  EXPECT_GE(Sample(during, "attnserve_training_steps_total"), 123);
+  EXPECT_GE(Sample(during, "attnserve_training_tokens_total"), 123 * 512);
+  // The first job: submission, steps 50 and 100, its end; the second: its submission.
+  EXPECT_GE(Sample(during, "attnserve_training_checkpoint_writes_total{result=\"ok\"}"), 5);
+  EXPECT_GE(Sample(during, "attnserve_training_checkpoint_duration_seconds_count"), 5);
+  v1::TrainingJob job;
+  ASSERT_TRUE(c.Cancel(running, &job).ok());
+  c.WaitFinished(running);
+  const std::string after = Scrape(port);
+  EXPECT_EQ(Sample(after, "attnserve_training_jobs{state=\"cancelled\"}"), 1);
+  EXPECT_EQ(Sample(after, "attnserve_training_jobs{state=\"running\"}"), 0);
+  EXPECT_EQ(Sample(after, "attnserve_training_loss{worker=\"0\"}"), -1);  // gone with its job
+  Report("metrics",
+         absl::StrCat(Sample(after, "attnserve_training_steps_total"), " steps, ",
+                      Sample(after,
+                             "attnserve_training_checkpoint_writes_total"
+                             "{result=\"ok\"}"),
+                      " records written in ",
+                      Sample(after, "attnserve_training_checkpoint_duration_seconds_sum"), " s"));
   EXPECT_EQ(server->Stop(SIGTERM), 0);
   std::filesystem::remove_all(dir);
 }

@@ -67,9 +67,11 @@ class AsyncClient(_Base):
         wait(), result(); `async for` over its watch())."""
         return await _training.submit_async(self, _training.spec(**job), timeout)
 
-    def training_job(self, job_id):
-        """Client.training_job: the AsyncTrainingJob of an earlier job."""
-        return _training.AsyncTrainingJob(self, job_id)
+    async def training_job(self, job_id, *, timeout=None):
+        """Client.training_job as a coroutine: the AsyncTrainingJob of an earlier job."""
+        job = _training.AsyncTrainingJob(self, job_id)
+        job.submitted = await job.status(timeout=timeout)
+        return job
 
     async def training_jobs(self, *, timeout=None):
         """Client.training_jobs as a coroutine."""

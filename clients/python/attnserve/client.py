@@ -113,9 +113,12 @@ class Client(_Base):
         """
         return _training.submit(self, _training.spec(**job), timeout)
 
-    def training_job(self, job_id):
-        """The TrainingJob handle of a job submitted earlier (by this client's token)."""
-        return _training.TrainingJob(self, job_id)
+    def training_job(self, job_id, *, timeout=None):
+        """The TrainingJob handle of a job submitted earlier with this client's token; NOT_FOUND
+        (AttnServeError) when the token has no job of that id."""
+        job = _training.TrainingJob(self, job_id)
+        job.submitted = job.status(timeout=timeout)
+        return job
 
     def training_jobs(self, *, timeout=None):
         """JobStatus of every job of this client's token, oldest first."""
