@@ -3,13 +3,15 @@
 
     run_tests.py ATTNSERVE_BINARY --venv DIR [pytest arguments...]
     run_tests.py ATTNSERVE_BINARY [pytest arguments...]
+    run_tests.py ATTNSERVE_BINARY --venv DIR --run SCRIPT [arguments...]
 
 With --venv, installs clients/python (from a fresh-clone copy, see package_tree.py) into DIR, a
 venv over Debian's python3 (--system-site-packages: grpcio, protobuf, numpy and pytest come from
 apt), with `pip install --no-build-isolation --no-index`, and runs pytest in it. Without, runs
-pytest under this python (test_packaging.py installs the package itself). ATTNSERVE_BINARY goes
-to the tests in the environment. Exits 77 (skipped) when python3-venv, pip, grpcio, protobuf,
-numpy or pytest is missing.
+pytest under this python (test_packaging.py installs the package itself). --run runs SCRIPT with
+the venv's python instead of pytest, for a test program that uses the installed client
+(tests/deploy/proxy_sessions_test.py). ATTNSERVE_BINARY goes to the tests in the environment.
+Exits 77 (skipped) when python3-venv, pip, grpcio, protobuf, numpy or pytest is missing.
 """
 import importlib.util
 import os
@@ -69,6 +71,8 @@ def main():
     # No __pycache__ left in the source tree; the installed package, never a source tree.
     env = dict(os.environ, ATTNSERVE_BINARY=binary, PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)
+    if args[:1] == ["--run"]:
+        return subprocess.run([python, os.path.abspath(args[1]), *args[2:]], env=env).returncode
     # pytest runs in this folder (its rootdir); paths given relative to the caller still work.
     args = [os.path.abspath(a) if os.path.exists(a.split("::")[0]) else a for a in args]
     return subprocess.run([python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",

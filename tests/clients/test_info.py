@@ -9,7 +9,8 @@ from attnserve.v1 import attention_pb2 as pb
 
 RECORDS = {"ServerInfo": attnserve.ServerInfo, "Device": attnserve.Device,
            "Limits": attnserve.Limits, "Stats": attnserve.Stats, "Timing": attnserve.Timing,
-           "BatchInfo": attnserve.BatchInfo, "SessionLimits": attnserve.SessionLimits}
+           "BatchInfo": attnserve.BatchInfo, "SessionLimits": attnserve.SessionLimits,
+           "Session": attnserve.SessionInfo}
 
 
 def test_every_proto_field_is_a_dataclass_field():

@@ -8,6 +8,8 @@
         for r in c.attend_many([dict(q=q, k=k, v=v), dict(q=q2, k=k2, v=v2)]):
             r.index, r.o, r.error                      # pipelined on one stream
         c.info().limits.max_head_dim
+        with c.session(8, 128, "bfloat16", route=conversation_id) as s:   # a KV session
+            s.append(k, v); o = s.attend(q, append_k=k1, append_v=v1, causal=True)
         job = c.train(task="associative_recall", steps=300)   # an offline training job
         job.watch(), job.cancel(), job.result().weights["w_q"]
 
@@ -22,8 +24,10 @@ from importlib import metadata as _metadata
 from attnserve.aio import AsyncClient
 from attnserve.client import Client
 from attnserve.errors import AttnServeError
-from attnserve.records import BatchInfo, Device, Limits, ServerInfo, SessionLimits, Stats, Timing
+from attnserve.records import (BatchInfo, Device, Limits, ServerInfo, SessionInfo, SessionLimits,
+                               Stats, Timing)
 from attnserve.results import AttendResult
+from attnserve.session import AsyncSession, Session
 from attnserve.shared_memory import SharedMemoryRegion
 from attnserve.training import AsyncTrainingJob, JobStatus, TrainingJob, TrainingResult
 
@@ -32,7 +36,7 @@ try:
 except _metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["AsyncClient", "AsyncTrainingJob", "AttendResult", "AttnServeError", "BatchInfo",
-           "Client", "Device", "JobStatus", "Limits", "ServerInfo", "SessionLimits",
-           "SharedMemoryRegion", "Stats", "Timing", "TrainingJob", "TrainingResult",
-           "__version__"]
+__all__ = ["AsyncClient", "AsyncSession", "AsyncTrainingJob", "AttendResult", "AttnServeError",
+           "BatchInfo", "Client", "Device", "JobStatus", "Limits", "ServerInfo", "Session",
+           "SessionInfo", "SessionLimits", "SharedMemoryRegion", "Stats", "Timing", "TrainingJob",
+           "TrainingResult", "__version__"]

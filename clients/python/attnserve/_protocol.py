@@ -103,12 +103,7 @@ def forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     request = pb.AttendRequest(request_id=request_id, q=values["q"], k=values["k"], v=values["v"],
                                causal=bool(causal), return_lse=bool(return_lse),
                                path=PATHS[path])
-    if softmax_scale is not None:
-        scale = float(softmax_scale)
-        if scale == 0.0 or not math.isfinite(scale):
-            raise invalid(f"softmax_scale: {softmax_scale} (the protocol reads 0 as 'unset', "
-                          "1/sqrt(head_dim)); pass a finite non-zero scale or None")
-        request.softmax_scale = scale
+    _set_scale(request, softmax_scale)
     _set_window(request, window_size)
     q_shape = request.q.shape
     if varlen:
@@ -122,6 +117,15 @@ def forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
         request.cu_seqlens_k.extend(cu_k)
         return Forward(request, likes, "thd", max(len(cu_q) - 1, 0), 0)
     return Forward(request, likes, layout, q_shape[0], q_shape[1])
+
+
+def _set_scale(request, softmax_scale):
+    if softmax_scale is not None:
+        scale = float(softmax_scale)
+        if scale == 0.0 or not math.isfinite(scale):
+            raise invalid(f"softmax_scale: {softmax_scale} (the protocol reads 0 as 'unset', "
+                          "1/sqrt(head_dim)); pass a finite non-zero scale or None")
+        request.softmax_scale = scale
 
 
 def _set_window(request, window_size):

@@ -15,11 +15,12 @@ import grpc
 import grpc.aio
 
 from attnserve import _protocol
+from attnserve import session as _session
 from attnserve import training as _training
 from attnserve._proto import Stub, pb
 from attnserve.client import _Base
 from attnserve.errors import AttnServeError
-from attnserve.records import ServerInfo, from_message
+from attnserve.records import ServerInfo, SessionInfo, from_message
 from attnserve.shared_memory import SharedMemoryRegion, pass_descriptor, sealed_memfd, socket_of
 
 
@@ -48,10 +49,11 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc):
         await self.close()
 
-    async def _unary(self, method, request, request_id, timeout):
+    async def _unary(self, method, request, request_id, timeout, metadata=None):
         try:
-            return await getattr(self._stub, method)(request, timeout=self._deadline(timeout),
-                                                     metadata=self._metadata)
+            return await getattr(self._stub, method)(
+                request, timeout=self._deadline(timeout),
+                metadata=self._metadata if metadata is None else metadata)
         except grpc.RpcError as e:
             raise AttnServeError.from_rpc_error(e, request_id) from None
 
@@ -208,6 +210,22 @@ class AsyncClient(_Base):
             call.cancel()
             if shared_memory is not None:
                 shared_memory.end()
+
+    async def session(self, num_kv_heads, head_dim, dtype, *, max_tokens=None, ttl=None,
+                      route=None, timeout=None):
+        """Client.session as a coroutine: an AsyncSession (`async with await c.session(...) as
+        s:`), whose append, attend, info, delete and close are coroutines."""
+        request = _session.create_request(num_kv_heads, head_dim, dtype, max_tokens, ttl)
+        metadata = _session.route_metadata(self._metadata, route)
+        created = from_message(SessionInfo, await self._unary("CreateSession", request, "",
+                                                              timeout, metadata=metadata))
+        return _session.AsyncSession(self, created, route)
+
+    async def sessions(self, *, route=None, timeout=None):
+        """Client.sessions as a coroutine."""
+        return _session.infos(await self._unary(
+            "ListSessions", pb.ListSessionsRequest(), "", timeout,
+            metadata=_session.route_metadata(self._metadata, route)))
 
     async def shared_memory(self, size, *, name=None, timeout=None):
         """Client.shared_memory as a coroutine; close the region with `await region.aclose()`

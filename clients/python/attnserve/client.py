@@ -11,10 +11,11 @@ import uuid
 import grpc
 
 from attnserve import _protocol
+from attnserve import session as _session
 from attnserve import training as _training
 from attnserve._proto import Stub, pb
 from attnserve.errors import AttnServeError
-from attnserve.records import ServerInfo, from_message
+from attnserve.records import ServerInfo, SessionInfo, from_message
 from attnserve.shared_memory import SharedMemoryRegion, pass_descriptor, sealed_memfd, socket_of
 
 
@@ -80,10 +81,11 @@ class Client(_Base):
     def __exit__(self, *exc):
         self.close()
 
-    def _unary(self, method, request, request_id, timeout):
+    def _unary(self, method, request, request_id, timeout, metadata=None):
         try:
-            return getattr(self._stub, method)(request, timeout=self._deadline(timeout),
-                                               metadata=self._metadata)
+            return getattr(self._stub, method)(
+                request, timeout=self._deadline(timeout),
+                metadata=self._metadata if metadata is None else metadata)
         except grpc.RpcError as e:
             raise AttnServeError.from_rpc_error(e, request_id) from None
 
@@ -302,6 +304,36 @@ class Client(_Base):
             call.cancel()  # a no-op once finished; stops the stream when the caller breaks off
             if shared_memory is not None:
                 shared_memory.end()
+
+    def session(self, num_kv_heads, head_dim, dtype, *, max_tokens=None, ttl=None, route=None,
+                timeout=None):
+        """Creates a KV session: keys and values kept on the server across calls (a Session,
+        with append, attend, info and close; session.py has the details). Use it in a with
+        block, which deletes it at the end.
+
+        num_kv_heads, head_dim, dtype ("float32", "float16", "bfloat16"): what it holds; arrays
+            given to it are converted to this dtype.
+        max_tokens: its largest length (None: the server's SessionLimits.max_tokens).
+        ttl: seconds idle before the server expires it (None: the server's default).
+        route: a stable key of the caller's choosing (a conversation id, say), sent as the
+            x-attnserve-route header with this and every later call of the session, so that a
+            session-routing proxy (deploy/nginx, deploy/haproxy) sends them all to the server
+            that holds it. Not needed when talking to one server directly.
+        Raises AttnServeError.
+        """
+        request = _session.create_request(num_kv_heads, head_dim, dtype, max_tokens, ttl)
+        metadata = _session.route_metadata(self._metadata, route)
+        created = from_message(SessionInfo, self._unary("CreateSession", request, "", timeout,
+                                                        metadata=metadata))
+        return _session.Session(self, created, route)
+
+    def sessions(self, *, route=None, timeout=None):
+        """SessionInfo of each KV session this client's token holds on the server. Behind a
+        session-routing proxy each server lists its own: route= asks the one that key goes to.
+        """
+        return _session.infos(self._unary(
+            "ListSessions", pb.ListSessionsRequest(), "", timeout,
+            metadata=_session.route_metadata(self._metadata, route)))
 
     def shared_memory(self, size, *, name=None, timeout=None):
         """A SharedMemoryRegion of `size` bytes, registered with the server (same host only):

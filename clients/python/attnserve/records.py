@@ -1,5 +1,6 @@
 """The server's messages as typed, immutable dataclasses: ServerInfo (GetServerInfo) with every
-field of the proto's, and the Timing and BatchInfo of an attend answer.
+field of the proto's, the Timing and BatchInfo of an attend answer, and SessionInfo (a KV
+session's Session message).
 
 Fields the server left at their defaults are present with those defaults (``info().gpu`` is
 False on a CPU server), int64 values are ints, enums are the names the client's arguments use
@@ -89,8 +90,28 @@ class BatchInfo:
     tokens: int  # query + key tokens of the whole batch
 
 
+@dataclass(frozen=True)
+class SessionInfo:
+    """A KV session as the server holds it (the proto's Session message)."""
+
+    session_id: str  # 128 random bits, hex; only the identity that created it can use it
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens: int
+    max_tokens: int
+    bytes: int  # pool bytes its pages hold
+    pages: int
+    page_tokens: int
+    device: str  # "cuda:N" or "cpu"
+    created_unix_ms: int
+    last_used_unix_ms: int
+    ttl_seconds: int
+
+
 _RECORDS = {cls.__name__: cls for cls in (Device, Limits, Stats, SessionLimits, ServerInfo, Timing,
                                           BatchInfo)}
+_RECORDS["Session"] = SessionInfo  # "Session" is the handle (session.py)
 
 
 def from_message(cls, message):
