@@ -20,10 +20,12 @@ int64_t UnixMillis(absl::Time t) { return absl::ToUnixMillis(t); }
 
 KvGeometry GeometryOf(const Session& s) { return {s.dtype(), s.num_kv_heads(), s.head_dim()}; }
 
-// One AppendKV call: chunks are read one at a time, each copied into the session's pages by a
-// lane of its device while the next is in flight on the wire; the call ends by committing the
-// append (OK) or dropping it (any failure, or the client cancelling), so the session shows all
-// of its tokens or none.
+// One AppendKV call. Chunks are copied into the session's pages by a lane of its device, in
+// order (the session's exclusive key); while one chunk is being copied the next is read off the
+// wire, so the copies overlap the transfer (at most kChunksInFlight chunks are held). The call
+// ends by committing the append once the client is done and every chunk is in (OK), or by
+// dropping it (any failure, or the client cancelling), so the session shows all of its tokens
+// or none.
 class AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> {
  public:
   AppendReactor(AttentionService* door, SessionService* sessions,
@@ -37,57 +39,136 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> 
     }
     if (!status.ok()) {
       door_->metrics()->OnRejected(Metrics::Method::kAppendKV, status);
-      End(status);
+      End(ToGrpcStatus(status));
       return;
     }
     caller_ = *std::move(caller);
+    Read();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::shared_ptr<v1::AppendKVRequest> chunk;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        reads_done_ = true;
+      } else {
+        chunk = std::move(chunk_);
+      }
+    }
+    if (!ok) {  // the client is done sending (or the call is over)
+      MaybeFinish();
+      return;
+    }
+    {
+      // Counted before the lane can finish it.
+      absl::MutexLock lock(&mu_);
+      ++in_flight_;
+    }
+    if (absl::Status s = Submit(std::move(chunk)); !s.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        --in_flight_;  // never queued: no Copied will come
+      }
+      End(ToGrpcStatus(s));
+      return;
+    }
+    bool read_next = false;
+    {
+      absl::MutexLock lock(&mu_);
+      read_next = in_flight_ < kChunksInFlight && !finished_ && !reading_ && !reads_done_;
+      if (read_next) reading_ = true;
+    }
+    if (read_next) Read();
+  }
+
+  void OnDone() override {
+    door_->CallEnded();
+    bool last = false;
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+      last = in_flight_ == 0;
+    }
+    // A chunk still being copied holds the reactor (its append and the chunk's bytes); the last
+    // one to finish deletes it.
+    if (last) delete this;
+  }
+
+ private:
+  static constexpr int kChunksInFlight = 2;
+
+  void Read() {
     chunk_ = std::make_shared<v1::AppendKVRequest>();
     StartRead(chunk_.get());
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok) {  // the client is done sending (or the call is over)
-      if (context_->IsCancelled()) {
-        End(grpc::Status::CANCELLED);
-      } else if (append_ == nullptr) {
-        End(absl::InvalidArgumentError(
-            "session_id: missing (the first AppendKV message names the session)"));
-      } else {
-        append_->Commit();
-        FillSession(append_->session(), response_->mutable_session());
-        response_->set_tokens_appended(append_->appended());
-        End(absl::OkStatus());
+  // A chunk's copy is done. This chunk counts as in flight until the end, so that the reactor
+  // outlives everything done here even if the call ends meanwhile.
+  void Copied(const absl::Status& status) {
+    bool over = false, read_next = false;
+    {
+      absl::MutexLock lock(&mu_);
+      over = done_ || finished_;
+      read_next = status.ok() && !over && !reading_ && !reads_done_;
+      if (read_next) reading_ = true;
+    }
+    if (!over) {
+      if (!status.ok()) {
+        End(ToGrpcStatus(status));
+      } else if (read_next) {
+        Read();
       }
+    }
+    bool last = false;
+    {
+      absl::MutexLock lock(&mu_);
+      --in_flight_;
+      last = done_ && in_flight_ == 0;
+    }
+    if (last) {
+      delete this;
       return;
     }
-    if (absl::Status s = Submit(); !s.ok()) End(s);
+    if (!over && status.ok()) MaybeFinish();
   }
 
-  void OnDone() override {
-    append_.reset();  // not committed: its pages go back
-    door_->CallEnded();
-    delete this;
+  void MaybeFinish() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!reads_done_ || in_flight_ > 0 || finished_) return;
+    }
+    if (context_->IsCancelled()) {
+      End(grpc::Status::CANCELLED);
+    } else if (append_ == nullptr) {
+      End(ToGrpcStatus(absl::InvalidArgumentError(
+          "session_id: missing (the first AppendKV message names the session)")));
+    } else {
+      append_->Commit();
+      FillSession(append_->session(), response_->mutable_session());
+      response_->set_tokens_appended(append_->appended());
+      End(grpc::Status::OK);
+    }
   }
 
- private:
-  absl::Status Submit() {
-    const v1::AppendKVRequest& chunk = *chunk_;
+  absl::Status Submit(std::shared_ptr<v1::AppendKVRequest> chunk) {
     if (append_ == nullptr) {
-      if (chunk.session_id().empty()) {
+      if (chunk->session_id().empty()) {
         return absl::InvalidArgumentError(
             "session_id: missing (the first AppendKV message names the session)");
       }
       ATTN_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                            sessions_->store().Get(caller_, chunk.session_id()));
+                            sessions_->store().Get(caller_, chunk->session_id()));
       ATTN_ASSIGN_OR_RETURN(append_, SessionAppend::Open(session));
       use_ = SessionUse(std::move(session));
-    } else if (!chunk.session_id().empty() && chunk.session_id() != use_->id()) {
+    } else if (!chunk->session_id().empty() && chunk->session_id() != use_->id()) {
       return absl::InvalidArgumentError(
           "session_id: every message of an AppendKV call names the same session (or none)");
     }
     const SharedMemoryScope scope(&door_->shared_memory(), caller_);
     ATTN_ASSIGN_OR_RETURN(DecodedKvRows rows,
-                          DecodeKvRows(chunk.k(), chunk.v(), GeometryOf(*use_.get()),
+                          DecodeKvRows(chunk->k(), chunk->v(), GeometryOf(*use_.get()),
                                        door_->limits(), door_->SharedMemoryFor(scope)));
     auto work = std::make_unique<AppendWork>();
     work->append = append_.get();
@@ -98,27 +179,14 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> 
     work->exclusive = use_.get();
     work->tokens = rows.rows;
     work->bytes = 2 * rows.rows * use_->row_bytes();
-    // The chunk's bytes stay alive until the lane is done with them; the next chunk is read
-    // into a fresh message meanwhile.
+    // The chunk's bytes stay alive until the lane is done with them.
     auto keep = std::make_shared<std::pair<std::shared_ptr<v1::AppendKVRequest>, DecodedKvRows>>(
-        chunk_, std::move(rows));
-    work->done = [this, keep](const absl::Status& s, const Work&) {
-      if (!s.ok()) {
-        End(s);
-        return;
-      }
-      if (context_->IsCancelled()) {
-        End(grpc::Status::CANCELLED);
-        return;
-      }
-      chunk_ = std::make_shared<v1::AppendKVRequest>();
-      StartRead(chunk_.get());
-    };
+        std::move(chunk), std::move(rows));
+    work->done = [this, keep](const absl::Status& s, const Work&) { Copied(s); };
     return door_->Submit(Metrics::Method::kAppendKV, AttentionService::EngineChoice{},
                          AttentionService::DeadlineOf(*context_), nullptr, std::move(work));
   }
 
-  void End(const absl::Status& status) { End(ToGrpcStatus(status)); }
   void End(const grpc::Status& status) {
     {
       absl::MutexLock lock(&mu_);
@@ -133,11 +201,15 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> 
   grpc::CallbackServerContext* const context_;
   v1::AppendKVResponse* const response_;
   Identity caller_;
-  std::shared_ptr<v1::AppendKVRequest> chunk_;
-  std::unique_ptr<SessionAppend> append_;
+  std::shared_ptr<v1::AppendKVRequest> chunk_;  // the read in flight fills it
+  std::unique_ptr<SessionAppend> append_;       // touched by one chunk at a time, in order
   SessionUse use_;
   absl::Mutex mu_;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // chunks submitted and not yet copied
+  bool reading_ ABSL_GUARDED_BY(mu_) = true;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;  // OnDone ran: the call is over
 };
 
 }  // namespace
