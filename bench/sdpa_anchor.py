@@ -16,6 +16,14 @@ fused / FLASH, fused / cuDNN, naive / MATH. Writes the anchor rows as JSON lines
 
 --pass bwd times the backward alone (torch.autograd.grad of one forward's output, kept with
 retain_graph) against `attn_kernel_bench --pass=bwd`; FLOPs are 2.5x the forward's.
+
+--pass decode times decode steps against `attn_decode_bench --json` (--ours FILE): `batch`
+sequences of one query token over `context` cached keys, 32 query / 8 KV heads, d 128, SDPA
+with dense K/V [batch, kv_heads, context, d] and enable_gqa=True (every backend that runs it;
+is_causal stays False, since one query row at the end of its keys sees them all and SDPA's
+causal mask is top-left aligned). It reports KV bytes read per second (batch * context *
+kv_heads * d * 2 * element size) and their fraction of the device-to-device copy bandwidth it
+measures itself (bytes read plus written), the same JSON fields as attn_decode_bench.
 """
 import argparse
 import json
@@ -29,8 +37,8 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ours", help="JSON lines from attn_kernel_bench --json")
     ap.add_argument("--out", help="write the anchor measurements here as JSON lines")
-    ap.add_argument("--dtype", default="bf16,fp16")
-    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--dtype", help="default bf16,fp16 (decode: bf16)")
+    ap.add_argument("--d", help="default 64,128 (decode: 128)")
     ap.add_argument("--n", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--backends", default="FLASH,CUDNN,MATH",
@@ -41,8 +49,21 @@ def parse_args():
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--head-width", type=int, default=2048)
-    ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
-    return ap.parse_args()
+    ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
+    ap.add_argument("--batch", default="1,4,16,64,256", help="decode: sessions per step")
+    ap.add_argument("--context", default="1024,2048,4096,8192,16384,32768",
+                    help="decode: cached keys per session")
+    ap.add_argument("--heads", type=int, default=32, help="decode: query heads")
+    ap.add_argument("--kv-heads", type=int, default=8, help="decode: KV heads")
+    ap.add_argument("--math-max-bytes", type=float, default=16e9,
+                    help="decode: skip MATH when its expanded K/V would exceed this")
+    args = ap.parse_args()
+    decode = args.pass_ == "decode"
+    args.dtype = args.dtype or ("bf16" if decode else "bf16,fp16")
+    args.d = args.d or ("128" if decode else "64,128")
+    if decode and args.backends == "FLASH,CUDNN,MATH":
+        args.backends = ",".join(BACKENDS)
+    return args
 
 
 def ints(s):
@@ -137,6 +158,146 @@ def measure(args):
     return results
 
 
+def load_ours_decode(path):
+    rows, copy = {}, None
+    if not path:
+        return rows, copy
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("bench") != "attn_decode_bench":
+                continue
+            if r.get("pass") == "copy":
+                copy = r["copy_tbps"]
+            elif r.get("pass") == "decode":
+                rows.setdefault((r["dtype"], r["d"], r["batch"], r["context"]), r)
+    return rows, copy
+
+
+def measure_decode(args):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    backend_enum = {
+        "FLASH": SDPBackend.FLASH_ATTENTION,
+        "CUDNN": SDPBackend.CUDNN_ATTENTION,
+        "EFFICIENT": SDPBackend.EFFICIENT_ATTENTION,
+        "MATH": SDPBackend.MATH,
+    }
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}", flush=True)
+    # Device-to-device copy, bytes read plus written per second.
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=args.warmup_ms, rep=args.rep_ms,
+                       return_mode="median")
+    copy_tbps = 2 * src.numel() / (copy_ms * 1e-3) / 1e12
+    del src, dst
+    torch.cuda.empty_cache()
+    copy_row = {"bench": "sdpa_anchor", "pass": "copy", "copy_bytes": 2 << 30,
+                "copy_tbps": copy_tbps}
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(copy_row) + "\n")
+    print(f"# copy {copy_tbps:.3f} TB/s (read + written)", flush=True)
+    results = {}
+    heads, kv_heads = args.heads, args.kv_heads
+    for dname in [x for x in args.dtype.split(",") if x]:
+        dtype = dtypes[dname]
+        esize = torch.tensor([], dtype=dtype).element_size()
+        for d in ints(args.d):
+            for batch in ints(args.batch):
+                for context in ints(args.context):
+                    kv_bytes = 2.0 * batch * context * kv_heads * d * esize
+                    key = (dname, d, batch, context)
+                    try:
+                        q = torch.randn(batch, heads, 1, d, device="cuda", dtype=dtype)
+                        k = torch.randn(batch, kv_heads, context, d, device="cuda", dtype=dtype)
+                        v = torch.randn(batch, kv_heads, context, d, device="cuda", dtype=dtype)
+                    except torch.OutOfMemoryError as e:
+                        q = k = v = None
+                        torch.cuda.empty_cache()
+                        alloc_error = f"error: {str(e).splitlines()[0][:120]}"
+                    else:
+                        alloc_error = None
+                    for b in backends:
+                        row = {"bench": "sdpa_anchor", "pass": "decode", "backend": b,
+                               "dtype": dname, "d": d, "heads": heads, "kv_heads": kv_heads,
+                               "batch": batch, "context": context, "q_tokens": 1,
+                               "kv_bytes": kv_bytes, "copy_tbps": copy_tbps}
+                        if alloc_error:
+                            row["status"] = alloc_error
+                        elif b == "MATH" and kv_bytes * heads / kv_heads > args.math_max_bytes:
+                            row["status"] = "skipped (expanded K/V > --math-max-bytes)"
+                        else:
+                            try:
+                                with sdpa_kernel([backend_enum[b]]):
+                                    fn = lambda: F.scaled_dot_product_attention(
+                                        q, k, v, enable_gqa=True)
+                                    fn()
+                                    torch.cuda.synchronize()
+                                    ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
+                                                  return_mode="median")
+                                tbps = kv_bytes / (ms * 1e-3) / 1e12
+                                row.update(ms=ms, tbps=tbps, fraction=tbps / copy_tbps,
+                                           status="ok")
+                            except (RuntimeError, torch.OutOfMemoryError) as e:
+                                row["status"] = f"error: {str(e).splitlines()[0][:120]}"
+                            torch.cuda.empty_cache()
+                        results.setdefault(key, {})[b] = row
+                        if args.out:
+                            with open(args.out, "a") as f:
+                                f.write(json.dumps(row) + "\n")
+                    del q, k, v
+                    torch.cuda.empty_cache()
+    return results, copy_tbps
+
+
+def main_decode(args):
+    ours, ours_copy = load_ours_decode(args.ours)
+    anchors, copy_tbps = measure_decode(args)
+    backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
+    keys = sorted(set(anchors) | set(ours))
+    print()
+    print("decode: KV bytes read per second, TB/s (fraction of copy bandwidth), same GPU, "
+          "same run")
+    copies = f"copy {copy_tbps:.2f} TB/s (anchor)"
+    if ours_copy:
+        copies += f", {ours_copy:.2f} TB/s (attn_decode_bench)"
+    print("# " + copies)
+    header = ("dtype", "d", "batch", "context", "splits", "ours") + tuple(backends) + (
+        "ours/best",)
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for key in keys:
+        o = ours.get(key)
+        a = anchors.get(key, {})
+        ours_tb = o["tbps"] if o and o.get("status") == "ok" else None
+        cells = [key[0], str(key[1]), str(key[2]), str(key[3]),
+                 str(o["splits"]) if o else "—",
+                 f"{ours_tb:.2f} ({o['fraction']:.2f})" if ours_tb else "—"]
+        best = None
+        for b in backends:
+            r = a.get(b)
+            if r and r.get("status") == "ok":
+                cells.append(f"{r['tbps']:.2f} ({r['fraction']:.2f})")
+                best = r["tbps"] if best is None else max(best, r["tbps"])
+            else:
+                cells.append("—")
+        cells.append(fmt(ratio(ours_tb, best), 2))
+        print("| " + " | ".join(cells) + " |")
+    for key, r in sorted(ours.items()):
+        if r.get("status") != "ok":
+            print(f"note: ours {key}: {r['status']}")
+
+
 def tf(row):
     if not row or row.get("status") != "ok":
         return None
@@ -153,6 +314,9 @@ def ratio(a, b):
 
 def main():
     args = parse_args()
+    if args.pass_ == "decode":
+        main_decode(args)
+        return
     ours = load_ours(args.ours, args.pass_)
     anchors = measure(args)
     keys = sorted(set(anchors) | set(ours), key=lambda k: (k[0], k[1], k[2], k[3]))

@@ -4,7 +4,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +17,7 @@
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/fused_forward.h"
 #include "cuda/fused/fused_support.h"
+#include "cuda/fused/paged_forward.h"
 #include "cuda/naive/naive_engine.h"
 
 namespace attn {
@@ -23,6 +26,7 @@ namespace {
 using cuda::AsStream;
 using cuda::FusedBackwardParams;
 using cuda::FusedForwardParams;
+using cuda::PagedForwardParams;
 
 // Copies a variable-length problem's prefix sums to device memory at `at` (room for
 // 2 * cu_seqlens_q.size() int32s): the query sums, then the key sums. The copies are from
@@ -81,10 +85,21 @@ void SetAttentionParams(const AttentionProblem& p, const TensorRef& q, const Ten
   params.dtype = p.dtype;
 }
 
+// The device facts the paged plan reads, of the engine's device.
+absl::StatusOr<cuda::PagedDevice> QueryPagedDevice(int device) {
+  cuda::PagedDevice d;
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&d.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+      &d.shared_memory_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  return d;
+}
+
 class CudaFusedEngine final : public Engine {
  public:
-  CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel)
-      : options_(options), kernel_(kernel) {}
+  CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel,
+                  const cuda::PagedOverrides& paged, const cuda::PagedDevice& device)
+      : options_(options), kernel_(kernel), paged_(paged), device_(device) {}
 
   EngineKind kind() const override { return EngineKind::kCudaFused; }
   MemorySpace memory_space() const override { return MemorySpace::kDevice; }
@@ -94,6 +109,9 @@ class CudaFusedEngine final : public Engine {
   }
   Support SupportsBackward(const AttentionProblem& p) const override {
     return cuda::FusedSupports(Pass::kBackward, p);
+  }
+  Support SupportsPagedForward(const AttentionProblem& p) const override {
+    return cuda::FusedSupports(Pass::kPagedForward, p);
   }
 
   absl::Status Backward(const AttentionProblem& p, const BackwardArgs& args) override {
@@ -160,18 +178,86 @@ class CudaFusedEngine final : public Engine {
     return launch(cu_seqlens);
   }
 
+  absl::Status ForwardPaged(const AttentionProblem& p, const PagedForwardArgs& args) override {
+    ATTN_RETURN_IF_ERROR(ValidatePagedForward(p, args));
+    ATTN_RETURN_IF_ERROR(cuda::FusedSupports(Pass::kPagedForward, p).status());
+    if (p.total_q() == 0) return absl::OkStatus();
+    cuda::ScopedDevice device(options_.device);
+    ATTN_RETURN_IF_ERROR(device.status());
+    const cudaStream_t stream = AsStream(args.stream);
+
+    const cuda::PagedForwardPlan plan = cuda::PlanPagedForward(p, device_, paged_);
+    // One lease: the split partials (float32, 16-byte aligned), then the prefix sums.
+    const size_t partials = static_cast<size_t>(plan.workspace_bytes);
+    const size_t bytes = partials + SeqlensEntries(p) * sizeof(int32_t);
+    std::optional<cuda::WorkspaceLease> lease;  // none for a uniform batch in one split
+    char* workspace = nullptr;
+    if (bytes > 0) {
+      absl::StatusOr<cuda::WorkspaceLease> acquired = pool_.Acquire(bytes, stream);
+      if (!acquired.ok()) return acquired.status();
+      lease.emplace(*std::move(acquired));
+      workspace = static_cast<char*>(lease->data());
+    }
+    int32_t* cu_seqlens = nullptr;
+    if (!p.is_uniform()) {
+      cu_seqlens = reinterpret_cast<int32_t*>(workspace + partials);
+      ATTN_RETURN_IF_ERROR(UploadSeqlens(p, cu_seqlens, stream));
+    }
+
+    PagedForwardParams params;
+    const PagedKV& kv = args.kv;
+    const TensorRef pages{kv.pages, PagedKV::TokenStride(p), p.head_dim};
+    SetAttentionParams(p, args.q, pages, pages, args.o.data, args.o, args.lse, cu_seqlens, params);
+    params.block_table = kv.block_table;
+    params.max_blocks = kv.max_blocks;
+    params.page_stride = kv.page_stride;
+    while ((1 << params.page_shift) < kv.page_tokens) ++params.page_shift;
+    params.v_offset = kv.v_offset(p);
+    params.plan = plan;
+    params.kernel = kernel_;
+    if (plan.num_splits > 1) {
+      params.o_partial = reinterpret_cast<float*>(workspace);
+      params.lse_partial =
+          params.o_partial + int64_t{plan.num_splits} * p.total_q() * p.num_heads * p.head_dim;
+      ATTN_ASSIGN_OR_RETURN(params.split_counters, SplitCounters(plan.split_counters));
+    }
+    return cuda::LaunchPagedForward(params, stream);
+  }
+
  private:
+  // `count` zeroed split counters for the decode kernel, which leaves them zero. Used only while
+  // a workspace lease is held, so the lease orders their users across streams; growing waits
+  // for the device, since work in flight may still count in the old ones.
+  absl::StatusOr<int*> SplitCounters(int64_t count) {
+    if (count > counters_capacity_) {
+      ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      split_counters_.Reset();
+      const int64_t capacity = std::max<int64_t>(count, 4096);
+      ATTN_ASSIGN_OR_RETURN(split_counters_, cuda::DeviceBuffer::Allocate(capacity * sizeof(int)));
+      ATTN_CUDA_RETURN_IF_ERROR(cudaMemset(split_counters_.get(), 0, capacity * sizeof(int)));
+      ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the memset is asynchronous
+      counters_capacity_ = capacity;
+    }
+    return split_counters_.as<int>();
+  }
+
   EngineOptions options_;
   cuda::FusedKernel kernel_;
+  cuda::PagedOverrides paged_;
+  cuda::PagedDevice device_;
   cuda::WorkspacePool pool_;
+  cuda::DeviceBuffer split_counters_;
+  int64_t counters_capacity_ = 0;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options,
-                                                            cuda::FusedKernel kernel) {
+                                                            cuda::FusedKernel kernel,
+                                                            const cuda::PagedOverrides& paged) {
   ATTN_RETURN_IF_ERROR(cuda::CheckDevice("cuda_fused", options.device));
-  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options, kernel));
+  ATTN_ASSIGN_OR_RETURN(const cuda::PagedDevice device, QueryPagedDevice(options.device));
+  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options, kernel, paged, device));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options) {
@@ -184,13 +270,13 @@ absl::Status CudaEngineAvailable(EngineKind kind, const EngineOptions& options) 
 
 Support CudaEngineSupports(EngineKind kind, Pass pass, const AttentionProblem& p,
                            const EngineOptions& options) {
+  if (kind == EngineKind::kCudaFused) return cuda::FusedSupports(pass, p);
   if (pass == Pass::kPagedForward) {
     return Support(Refusal::kOther,
                    absl::UnimplementedError(absl::StrCat(std::string(EngineKindName(kind)),
                                                          ": keys and values in pages are not "
                                                          "supported")));
   }
-  if (kind == EngineKind::kCudaFused) return cuda::FusedSupports(pass, p);
   return cuda::NaiveSupports(pass, p, options.workspace_limit_bytes);
 }
 

@@ -8,12 +8,16 @@
 #include "absl/status/statusor.h"
 #include "attn/engine.h"
 #include "cuda/fused/fused_forward.h"
+#include "cuda/fused/paged_forward.h"
 
 namespace attn {
 
-// `kernel` = kPortable pins the mma.sync kernel (tests and benchmarks on Hopper).
+// `kernel` = kPortable pins the mma.sync kernel (tests and benchmarks on Hopper); `paged`
+// forces the paged forward's kernel or split count instead of its heuristics (tests, and
+// benchmarks that measure the heuristics).
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(
-    const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto);
+    const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto,
+    const cuda::PagedOverrides& paged = {});
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options);
 
 // EngineAvailable and EngineSupports for kCudaFused and kCudaNaive.

@@ -41,7 +41,9 @@ std::string CoveredHeadDims(Pass pass, DType dtype) {
 
 Support FusedSupports(Pass pass, const AttentionProblem& p) {
   if (Support valid = ValidProblemSupport(p); !valid.ok()) return valid;
-  const std::string what = pass == Pass::kForward ? "" : "backward ";
+  const std::string what = pass == Pass::kForward    ? ""
+                           : pass == Pass::kBackward ? "backward "
+                                                     : "paged ";
   if (!HasFusedDType(pass, p.dtype)) {
     return Support(Refusal::kUnsupportedDtype,
                    absl::UnimplementedError(
@@ -58,6 +60,11 @@ Support FusedSupports(Pass pass, const AttentionProblem& p) {
     return Support(
         Refusal::kTooLarge,
         absl::UnimplementedError("cuda_fused: backward needs batch and num_kv_heads <= 65535"));
+  }
+  if (pass == Pass::kPagedForward && (p.batch() > 65535 || p.num_heads > 65535)) {
+    return Support(
+        Refusal::kTooLarge,
+        absl::UnimplementedError("cuda_fused: paged forward needs batch and num_heads <= 65535"));
   }
   return Support();
 }

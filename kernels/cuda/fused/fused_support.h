@@ -10,7 +10,8 @@ namespace attn::cuda {
 
 // Yes when `pass` of the fused engine runs this problem. Refusals: kInvalidProblem,
 // kUnsupportedDtype and kUnsupportedHeadDim (UNIMPLEMENTED, naming what the table covers), and
-// for the backward kTooLarge beyond its grid (batch or num_kv_heads over 65535).
+// kTooLarge beyond the grid: batch or num_kv_heads over 65535 for the backward, batch or
+// num_heads for the paged forward.
 Support FusedSupports(Pass pass, const AttentionProblem& p);
 
 }  // namespace attn::cuda

@@ -1,6 +1,8 @@
 // Tile shapes of the fused forward kernel, per head dimension: the one place tuning lives.
 #pragma once
 
+#include <cstdint>
+
 namespace attn::cuda {
 
 struct FusedTileShape {
@@ -32,6 +34,79 @@ struct Sm90TileShape {
 // the other's MMAs. At 128, 64-key tiles with two CTAs tie with 128-key tiles and one CTA.
 constexpr Sm90TileShape Sm90FusedTileShape(int head_dim) {
   return head_dim <= 64 ? Sm90TileShape{128, 2} : Sm90TileShape{128, 1};
+}
+
+// ---- Paged K/V (paged_forward.h) ----
+
+// The decode kernel (paged_decode_kernel.cuh) serves calls whose query rows per (sequence, KV
+// head), the query heads of a group times the query tokens, fit in a few 16-row tiles; its CTAs
+// of one (sequence, KV head) read the same pages at the same time, so the L2 serves the repeats.
+// Beyond this the prefill kernel (one CTA per 128 query rows of one head) runs. 64 = GQA 4 with
+// 16 query tokens, or GQA 8 with 8: both kernels then read each page group-size times (the
+// decode kernel's row tiles through L2), the prefill kernel with tiles 7/8 empty. A count, not
+// yet a measurement: the measured decode rows are 4 and 16 (16 x 8k keys, 4 query tokens of
+// GQA 4: 3.62 TB/s).
+inline constexpr int kPagedDecodeMaxRows = 64;
+
+// Keys per pipeline stage of the decode kernel and the stages in flight. A stage holds K and V
+// of kBlockN keys (about 32 KiB at every head_dim up to 128): with three stages two CTAs fit an
+// SM's shared memory on Hopper and keep two stages (64 KiB) of loads in flight each, well past
+// the ~33 KiB per SM that 4.3 TB/s needs at a microsecond of latency (sized by that count, not
+// swept). Each of the 4 warps takes a quarter of a stage's keys, a multiple of 16 (one MMA
+// k-step of P V).
+struct PagedDecodeShape {
+  int block_n;  // keys per stage
+  int stages;
+};
+
+constexpr PagedDecodeShape PagedDecodeTileShape(int head_dim) {
+  if (head_dim <= 32) return {256, 3};
+  if (head_dim <= 64) return {128, 3};
+  if (head_dim <= 128) return {64, 3};
+  return {64, 2};  // 256: 68 KiB a stage; correct, not tuned
+}
+
+// Split-KV: how many CTAs share one (sequence, KV head, row tile)'s keys. Each split writes a
+// float32 partial O and its LSE, which the tile's last split merges. With `ctas` CTAs before
+// splitting and `slots` resident CTAs on the device (SMs x CTAs per SM): as many splits as
+// keep the CTAs within one full wave, none once the CTAs fill the device, and none that leaves
+// a split fewer than kPagedDecodeMinTilesPerSplit stages of keys.
+//
+// FlashAttention 3 (hopper/heuristics.h) takes the smallest count within 85% of the best wave
+// efficiency, for kernels that are compute-bound per CTA. This kernel is bound by the reads in
+// flight, so more CTAs (up to a wave) are faster and a partial second wave is a second round
+// of latency. Measured on the H200 (bf16, d 128, 32/8 heads, 128-token pages, median us of
+// attn_decode_bench --splits, docs/cuda-fused.md); the rule's choice in (parentheses), the best
+// in [brackets]:
+//   1 x 4k   (8 CTAs):   1: 95  4: 32  8: 20  ([16]: 14.5)  32: 15.6  64: 23
+//   1 x 32k  (8 CTAs):   8: 100  16: 55  [32: 45.1]  (33: 45.7)  64: 51
+//   4 x 4k   (32 CTAs):  2: 54  4: 32  ([8]: 26.4)  16: 31  32: 40
+//   4 x 32k  (32 CTAs):  4: 196  ([8]: 143)  16: 143  32: 150
+//   8 x 4k   (64 CTAs):  2: 55  ([4]: 44)  8: 50  16: 58
+//   8 x 32k  (64 CTAs):  2: 377  (4: 274)  [8: 271]  16: 281
+//   16 x 4k  (128 CTAs): 1: 99  ([2]: 78)  4: 84  8: 88
+//   16 x 32k (128 CTAs): 1: 737  (2: 539)  [4: 531]  8: 534  16: 540
+// The rule is within 1.5% of the best everywhere; splits of 2 stages (1 x 4k, 32 splits) lose
+// to splits of 4, hence the minimum.
+inline constexpr int kPagedDecodeMinTilesPerSplit = 4;
+inline constexpr int kPagedDecodeMaxSplits = 128;
+
+constexpr int PagedDecodeSplits(int64_t ctas, int64_t tiles, int64_t slots) {
+  if (ctas <= 0 || slots <= ctas) return 1;
+  int64_t splits = slots / ctas;
+  if (splits > tiles / kPagedDecodeMinTilesPerSplit) splits = tiles / kPagedDecodeMinTilesPerSplit;
+  if (splits > kPagedDecodeMaxSplits) splits = kPagedDecodeMaxSplits;
+  return splits < 1 ? 1 : static_cast<int>(splits);
+}
+
+// The page size a KV pool should use for the kernels here: a page of at least a decode stage's
+// keys and a Hopper prefill tile's (128) costs one block-table read per stage or tile; smaller
+// pages cost a read per key row. Measured on the H200 (decode, bf16, d 128, 32/8 heads, TB/s
+// for 16, 64, 128 and 256-token pages): 16 x 32k keys 3.46, 4.00, 3.99, 4.03; 16 x 8k 3.21,
+// 3.81, 3.76, 3.78; 1 x 32k 2.62, 2.97, 2.95, 2.94 (docs/cuda-fused.md). Any power of two works.
+constexpr int PagedKvPageTokens(int head_dim) {
+  const int stage = PagedDecodeTileShape(head_dim).block_n;
+  return stage > 128 ? stage : 128;
 }
 
 }  // namespace attn::cuda
