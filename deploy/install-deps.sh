@@ -25,6 +25,7 @@ packages+=(clang clang-format)
 # server those tests scrape with.
 packages+=(python3 python3-grpcio python3-protobuf python3-numpy python3-pytest prometheus)
 packages+=(python3-yaml)  # tests/deploy: checks of deploy/'s compose, Prometheus, Grafana, k8s files
+packages+=(nginx haproxy)  # tests/deploy: KV sessions through deploy/nginx and deploy/haproxy
 # tests/server/buf_curl_test.py: openssl makes its certificate, npm installs buf curl. A Node.js
 # that brought its own npm keeps it (Debian's npm package would conflict with that one).
 packages+=(openssl)

@@ -8,7 +8,14 @@ What it checks, beyond "every YAML/JSON document parses":
   * Kubernetes manifests: apiVersion/kind/metadata.name, the fields each kind requires, selectors
     that match the pod labels, probes on a declared container port, a GPU limit, a grace period
     longer than the preStop pause plus the server's --drain_timeout, Services whose targetPort
-    names a container port, a headless gRPC Service, an HPA on a metric the adapter rule defines;
+    names a container port, a headless gRPC Service that is the StatefulSet's serviceName, an
+    HPA on the StatefulSet and a metric the adapter rule defines;
+  * the session router (router.yaml): its nginx.conf is deploy/nginx/nginx.conf, its template is
+    deploy/nginx/attnserve-sessions.conf but for the upstream's members (one per StatefulSet pod
+    name up to the HPA's maxReplicas, re-resolved) and the listen syntax, an nginx image new
+    enough to re-resolve, the placeholders its start script fills in, a non-root read-only pod;
+  * deploy/nginx and deploy/haproxy hash on the header the Python client sends (its
+    ROUTE_HEADER); with nginx or haproxy on PATH, `nginx -t` and `haproxy -c` accept them;
   * compose.yaml: the GPU reservation, published ports that match the server's flags, the
     Prometheus and Grafana mounts, a stop grace period longer than the drain;
   * prometheus.yml targets the metrics port the server listens on;
@@ -173,6 +180,8 @@ def base_metric(name, known):
 
 REQUIRED_SPEC = {
     "Deployment": [("spec", "selector"), ("spec", "template", "spec", "containers")],
+    "StatefulSet": [("spec", "selector"), ("spec", "serviceName"),
+                    ("spec", "template", "spec", "containers")],
     "Service": [("spec", "ports")],
     "PodDisruptionBudget": [("spec", "selector")],
     "HorizontalPodAutoscaler": [("spec", "scaleTargetRef"), ("spec", "maxReplicas"),
@@ -181,7 +190,7 @@ REQUIRED_SPEC = {
     "Kustomization": [("resources",)],
 }
 API_VERSIONS = {
-    "Deployment": "apps/v1", "Service": "v1", "ConfigMap": "v1",
+    "Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1",
     "PodDisruptionBudget": "policy/v1", "HorizontalPodAutoscaler": "autoscaling/v2",
     "Kustomization": "kustomize.config.k8s.io/v1beta1",
 }
@@ -227,10 +236,12 @@ def check_k8s(repo):
         for res in kust.get("resources", []):
             check(os.path.exists(os.path.join(k8s_dir, res)), f"{where}: {res} does not exist")
 
-    check(len(docs.get("Deployment", [])) == 1, "deploy/k8s: expected one Deployment")
-    if not docs.get("Deployment"):
+    # The servers: one StatefulSet (sessions make each pod stateful, and the router's ring is
+    # made of the pods' stable names).
+    check(len(docs.get("StatefulSet", [])) == 1, "deploy/k8s: expected one StatefulSet")
+    if not docs.get("StatefulSet"):
         return
-    where, _, dep = docs["Deployment"][0]
+    where, _, dep = docs["StatefulSet"][0]
     pod_labels = dig(dep, "spec", "template", "metadata", "labels") or {}
     match = dig(dep, "spec", "selector", "matchLabels") or {}
     check(match and all(pod_labels.get(k) == v for k, v in match.items()),
@@ -277,20 +288,38 @@ def check_k8s(repo):
         check(int(ann["prometheus.io/port"]) == ports.get("metrics"),
               f"{where}: prometheus.io/port differs from the metrics port")
 
+    routers = [d for d in docs.get("Deployment", [])
+               if dig(d[2], "metadata", "name") == "attnserve-router"]
+    check(len(docs.get("Deployment", [])) == len(routers) == 1,
+          "deploy/k8s: expected one Deployment, attnserve-router (router.yaml)")
+    router_labels, router_ports = {}, {}
+    if routers:
+        router_labels = dig(routers[0][2], "spec", "template", "metadata", "labels") or {}
+        router_ports = {p.get("name"): p.get("containerPort") for p in
+                        dig(routers[0][2], "spec", "template", "spec", "containers", 0, "ports")
+                        or []}
+
     headless = 0
     for swhere, _, svc in docs.get("Service", []):
         sel = dig(svc, "spec", "selector") or {}
-        check(sel and all(pod_labels.get(k) == v for k, v in sel.items()),
-              f"{swhere}: selector {sel} does not select the Deployment's pods")
+        selects = lambda labels: bool(sel) and all(labels.get(k) == v for k, v in sel.items())
+        check(selects(pod_labels) != selects(router_labels),
+              f"{swhere}: selector {sel} selects neither the servers' nor the router's pods")
+        targets = ports if selects(pod_labels) else router_ports
         for p in dig(svc, "spec", "ports") or []:
             target = p.get("targetPort", p.get("port"))
-            check(target in ports or target in ports.values(),
+            check(target in targets or target in targets.values(),
                   f"{swhere}: targetPort {target} is not a container port")
         if dig(svc, "spec", "clusterIP") == "None":
             headless += 1
             grpc = [p for p in svc["spec"]["ports"] if p.get("targetPort") == "grpc"]
             check(grpc and grpc[0].get("appProtocol") == "grpc",
                   f"{swhere}: the headless Service should carry the grpc port (appProtocol grpc)")
+            check(selects(pod_labels) and svc["metadata"]["name"] == dep["spec"]["serviceName"],
+                  f"{swhere}: the headless Service must be the StatefulSet's serviceName "
+                  f"({dep['spec']['serviceName']}): it names the pods the router resolves")
+            check(dig(svc, "spec", "publishNotReadyAddresses") is not True,
+                  f"{swhere}: pods that are not ready must leave DNS (and so the router's ring)")
         ann = dig(svc, "metadata", "annotations") or {}
         if "prometheus.io/port" in ann:
             check(int(ann["prometheus.io/port"]) == ports.get("metrics"),
@@ -300,7 +329,7 @@ def check_k8s(repo):
     for pwhere, _, pdb in docs.get("PodDisruptionBudget", []):
         sel = dig(pdb, "spec", "selector", "matchLabels") or {}
         check(sel and all(pod_labels.get(k) == v for k, v in sel.items()),
-              f"{pwhere}: selector does not select the Deployment's pods")
+              f"{pwhere}: selector does not select the StatefulSet's pods")
 
     adapter_names = set()
     for cwhere, _, cm in docs.get("ConfigMap", []):
@@ -317,8 +346,8 @@ def check_k8s(repo):
             promql.append((f"{cwhere}: metricsQuery", rule.get("metricsQuery", "")))
     for hwhere, _, hpa in docs.get("HorizontalPodAutoscaler", []):
         ref = hpa["spec"]["scaleTargetRef"]
-        check(ref.get("kind") == "Deployment" and ref.get("name") == dep["metadata"]["name"],
-              f"{hwhere}: scaleTargetRef does not name the Deployment")
+        check(ref.get("kind") == "StatefulSet" and ref.get("name") == dep["metadata"]["name"],
+              f"{hwhere}: scaleTargetRef does not name the StatefulSet")
         check(hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"],
               f"{hwhere}: minReplicas > maxReplicas")
         for m in hpa["spec"]["metrics"]:
@@ -331,6 +360,137 @@ def check_k8s(repo):
                 target = dig(m, key, "target") or {}
                 check(target.get("type") in ("AverageValue", "Value"),
                       f"{hwhere}: {m['type']} metric target needs AverageValue or Value")
+
+    if routers:
+        hpas = docs.get("HorizontalPodAutoscaler", [])
+        max_replicas = hpas[0][2]["spec"]["maxReplicas"] if hpas else dep["spec"]["replicas"]
+        check_router(repo, docs, routers[0], dep, ports, max_replicas)
+
+
+# ---------------------------------------------------------------- KV session routing
+
+def route_header(repo):
+    """The header the Python client sends a session's route key in."""
+    m = re.search(r'^ROUTE_HEADER = "([a-z0-9-]+)"', repo.read("clients/python/attnserve/session.py"),
+                  re.M)
+    return m.group(1) if m else "x-attnserve-route"
+
+
+def nginx_statements(text):
+    """The directives of an nginx file, comments and layout dropped, one per item (a block's
+    opening and closing brace are items too; ${NAME} placeholders stay whole)."""
+    text = re.sub(r"#[^\n]*", "", re.sub(r"\$\{([A-Z_]+)\}", r"@\1@", text))
+    return [re.sub(r"@([A-Z_]+)@", r"${\1}", " ".join(t.split()))
+            for t in re.split(r"(?<=[;{}])", text) if t.strip()]
+
+
+def check_router(repo, docs, router, servers, server_ports, max_replicas):
+    """router.yaml: nginx hashing on the route header over the StatefulSet's pod names."""
+    where, _, dep = router
+    maps = [d for d in docs.get("ConfigMap", []) if dig(d[2], "metadata", "name") == "attnserve-router"]
+    if not check(len(maps) == 1, "deploy/k8s: the router's ConfigMap attnserve-router"):
+        return
+    cwhere, _, cm = maps[0]
+    data = cm.get("data") or {}
+    check(data.get("nginx.conf") == repo.read("deploy/nginx/nginx.conf"),
+          f"{cwhere}: nginx.conf must be deploy/nginx/nginx.conf as is")
+    template = data.get("attnserve-sessions.conf.template", "")
+    host = nginx_statements(repo.read("deploy/nginx/attnserve-sessions.conf"))
+    cluster = nginx_statements(template)
+    # Where the two may differ: the upstream's members (with the ring's zone and resolver) and
+    # nginx >= 1.25.1's spelling of an HTTP/2 listener.
+    member = re.compile(r"(server|zone|resolver) .*;$")
+    same_host = [t for t in host if not member.match(t)]
+    same_cluster = ["listen 50051 http2;" if t == "listen 50051;" else t for t in cluster
+                    if not member.match(t) and t != "http2 on;"]
+    check(same_host == same_cluster,
+          f"{cwhere}: attnserve-sessions.conf.template differs from "
+          f"deploy/nginx/attnserve-sessions.conf beyond the upstream's members and the listen "
+          f"syntax: {sorted(set(same_host) ^ set(same_cluster))}")
+    name, service = servers["metadata"]["name"], servers["spec"]["serviceName"]
+    want = [f"server {name}-{i}.{service}.${{POD_NAMESPACE}}.svc.cluster.local:"
+            f"{server_ports.get('grpc')} resolve;" for i in range(max_replicas)]
+    got = [t for t in cluster if member.match(t) and t.startswith("server ")]
+    check(got == want, f"{cwhere}: the ring must list the StatefulSet's pods {name}-0 to "
+                       f"{name}-{max_replicas - 1} (the HPA's maxReplicas), re-resolved: {got}")
+    check(any(t.startswith("zone ") for t in cluster) and
+          "resolver ${RESOLVER} valid=5s ipv6=off;" in cluster,
+          f"{cwhere}: re-resolved servers need a zone and the resolver placeholder")
+
+    pod = dig(dep, "spec", "template", "spec") or {}
+    containers = pod.get("containers") or [{}]
+    c = containers[0]
+    check(len(containers) == 1, f"{where}: one container expected")
+    image = str(c.get("image", ""))
+    m = re.fullmatch(r"nginx:(\d+)\.(\d+)(?:\.(\d+))?(-\S+)?", image)
+    version = tuple(int(x or 0) for x in m.groups()[:3]) if m else (0, 0, 0)
+    check(version >= (1, 27, 3), f"{where}: image {image!r}: the re-resolved upstream needs "
+                                 "the nginx image >= 1.27.3")
+    script = " ".join(c.get("command", []) + c.get("args", []))
+    placeholders = set(re.findall(r"\$\{([A-Z_]+)\}", template))
+    filled = set(re.findall(r"s/\\\$\{([A-Z_]+)\}/", script))
+    check(placeholders and placeholders == filled,
+          f"{where}: the start script fills {sorted(filled)}, the template uses "
+          f"{sorted(placeholders)}")
+    env = {e.get("name"): e for e in c.get("env", [])}
+    check(dig(env.get("POD_NAMESPACE"), "valueFrom", "fieldRef", "fieldPath") ==
+          "metadata.namespace", f"{where}: POD_NAMESPACE from the downward API")
+    mounts = {v.get("mountPath"): v.get("name") for v in c.get("volumeMounts", [])}
+    volumes = {v.get("name"): v for v in pod.get("volumes", [])}
+    for path in set(re.findall(r"(/(?:etc|tmp)/[a-z-]+)/", script)):
+        check(path in mounts, f"{where}: the start script uses {path}, which is not mounted")
+    config = [n for n, v in volumes.items() if dig(v, "configMap", "name") == "attnserve-router"]
+    check(config and config[0] in mounts.values(), f"{where}: the ConfigMap is not mounted")
+    m = re.search(r"nginx -p (\S+?)/? ", script)
+    prefix = m.group(1) if m else None
+    check(prefix in mounts and "emptyDir" in volumes.get(mounts.get(prefix), {}),
+          f"{where}: nginx's -p prefix {prefix} must be an emptyDir (pid, temporary files)")
+    check(dig(pod, "securityContext", "runAsNonRoot") is True and
+          dig(c, "securityContext", "readOnlyRootFilesystem") is True,
+          f"{where}: runAsNonRoot and a read-only root filesystem")
+    ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
+    check("listen 50051;" in cluster and ports.get("grpc") == 50051,
+          f"{where}: the container's grpc port is the template's listen port")
+    for probe in ("readinessProbe", "livenessProbe"):
+        check(dig(c, probe, "tcpSocket", "port") in ("grpc", 50051),
+              f"{where}: {probe} on the grpc port")
+
+
+def check_proxy_configs(repo):
+    """deploy/nginx and deploy/haproxy hash on the client's route header; nginx -t and
+    haproxy -c accept them when the binaries are installed."""
+    header = route_header(repo)
+    nginx = nginx_statements(repo.read("deploy/nginx/attnserve-sessions.conf"))
+    variable = "$http_" + header.replace("-", "_")
+    check(f"hash {variable} consistent;" in nginx,
+          f"deploy/nginx: the upstream must hash `{variable} consistent` (the client's {header})")
+    check("client_max_body_size 0;" in nginx,
+          "deploy/nginx: client_max_body_size 0 (a stream's body is all of its messages)")
+    check("grpc_pass grpc://attnserve;" in nginx, "deploy/nginx: grpc_pass to the upstream")
+    haproxy = repo.read("deploy/haproxy/attnserve-sessions.cfg")
+    check(re.search(rf"^\s*balance hdr\({header}\)\s*$", haproxy, re.M) and
+          re.search(r"^\s*hash-type consistent\s*$", haproxy, re.M),
+          f"deploy/haproxy: `balance hdr({header})` with `hash-type consistent`")
+    tool = shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK)
+                                     else None)
+    if tool:
+        with tempfile.TemporaryDirectory() as prefix:
+            run = subprocess.run([tool, "-t", "-q", "-p", prefix + "/", "-c",
+                                  os.path.abspath(repo.path("deploy/nginx/nginx.conf")), "-e",
+                                  "stderr"],
+                                 capture_output=True, text=True, timeout=60)
+        check(run.returncode == 0, f"nginx -t deploy/nginx/nginx.conf: {run.stderr}")
+    else:
+        print("note: no nginx on PATH; deploy/nginx not checked by nginx -t")
+    tool = shutil.which("haproxy") or ("/usr/sbin/haproxy"
+                                       if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    if tool:
+        run = subprocess.run([tool, "-c", "-q", "-f",
+                              repo.path("deploy/haproxy/attnserve-sessions.cfg")],
+                             capture_output=True, text=True, timeout=60)
+        check(run.returncode == 0, f"haproxy -c deploy/haproxy: {run.stdout}{run.stderr}")
+    else:
+        print("note: no haproxy on PATH; deploy/haproxy not checked by haproxy -c")
 
 
 # ---------------------------------------------------------------- compose, Prometheus, Grafana
@@ -512,7 +672,8 @@ def main():
         print(__doc__)
         return 2
     repo = Repo(sys.argv[1])
-    for fn in (check_k8s, check_compose_and_monitoring, check_dockerfile, check_with_promtool,
+    for fn in (check_k8s, check_proxy_configs, check_compose_and_monitoring, check_dockerfile,
+               check_with_promtool,
                check_with_compose):
         try:
             fn(repo)

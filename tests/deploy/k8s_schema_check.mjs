@@ -21,6 +21,7 @@ const load = async (rel) => import(path.resolve(modules, rel));
 const yaml = (await load("js-yaml/index.js")).default;
 const models = {
   "apps/v1/Deployment": (await load("kubernetes-models/apps/v1/Deployment.js")).Deployment,
+  "apps/v1/StatefulSet": (await load("kubernetes-models/apps/v1/StatefulSet.js")).StatefulSet,
   "v1/Service": (await load("kubernetes-models/v1/Service.js")).Service,
   "v1/ConfigMap": (await load("kubernetes-models/v1/ConfigMap.js")).ConfigMap,
   "policy/v1/PodDisruptionBudget": (await load("kubernetes-models/policy/v1/PodDisruptionBudget.js"))
