@@ -60,7 +60,7 @@ struct Config {
   // KV sessions (server/session_store.h). kv_pool_bytes per device; 0: a quarter of the
   // device's free memory on a GPU, 1 GiB of host memory on the CPU; negative: no sessions.
   int64_t kv_pool_bytes = 0;
-  int64_t kv_page_bytes = 128 << 10;
+  int64_t kv_page_bytes = 512 << 10;
   int64_t session_max_tokens = 1 << 20;
   absl::Duration session_ttl = absl::Minutes(10);
   int max_sessions_per_identity = 1024;

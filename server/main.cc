@@ -78,7 +78,7 @@ ABSL_FLAG(int64_t, max_stream_buffer_bytes, int64_t{64} << 20,
 ABSL_FLAG(int64_t, kv_pool_bytes, 0,
           "KV session pages per device: bytes; 0 = a quarter of the GPU's free memory (1 GiB of "
           "host memory on the CPU engine); negative = no KV sessions");
-ABSL_FLAG(int64_t, kv_page_bytes, 128 << 10,
+ABSL_FLAG(int64_t, kv_page_bytes, 512 << 10,
           "Bytes of one KV page (a block of K and V rows; its tokens follow from the session's "
           "heads and head_dim)");
 ABSL_FLAG(int64_t, session_max_tokens, 1 << 20, "Longest a KV session may grow, in tokens");

@@ -14,7 +14,8 @@
 namespace attnserve {
 namespace {
 
-constexpr int kMaxPageTokens = 256;
+// Past this a page mostly holds a session's unused tail; the paged kernels want >= 128.
+constexpr int kMaxPageTokens = 1024;
 
 // 128 random bits as 32 hex digits: not guessable, so ids cannot be probed.
 std::string NewSessionId() {

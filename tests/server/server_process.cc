@@ -17,8 +17,11 @@ extern char** environ;
 
 namespace attnserve::test_support {
 
-bool ServerProcess::Start(const std::string& binary, const std::vector<std::string>& flags,
-                          absl::Duration timeout) {
+bool ServerProcess::Start(const std::string& built_binary,
+                          const std::vector<std::string>& flags, absl::Duration timeout) {
+  // The build's path is compiled in; a copied bundle (the GPU machine) names its own.
+  const char* from_env = std::getenv("ATTNSERVE_SERVER_BINARY");
+  const std::string binary = from_env != nullptr && *from_env != '\0' ? from_env : built_binary;
   char templ[] = "/tmp/attnserve_test_XXXXXX";
   dir_ = mkdtemp(templ);
   const std::string port_file = dir_ + "/port";

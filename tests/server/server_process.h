@@ -12,7 +12,8 @@ namespace attnserve::test_support {
 
 class ServerProcess {
  public:
-  // Starts `binary --listen=127.0.0.1:0 --port_file=... <flags>` and waits for the port.
+  // Starts `binary --listen=127.0.0.1:0 --port_file=... <flags>` and waits for the port;
+  // $ATTNSERVE_SERVER_BINARY, when set, names the binary instead.
   // Returns false (and leaves log() with the reason) when it does not come up in time.
   bool Start(const std::string& binary, const std::vector<std::string>& flags,
              absl::Duration timeout = absl::Seconds(20));
