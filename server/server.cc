@@ -26,6 +26,7 @@ namespace attnserve {
 namespace {
 
 constexpr char kServiceName[] = "attnserve.v1.AttentionService";
+constexpr char kTrainingServiceName[] = "attnserve.v1.TrainingService";
 constexpr char kVersion[] = ATTN_VERSION;  // CMake's project version
 
 // Writes `port` to `path` atomically (a reader never sees a partial file).
@@ -385,6 +386,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   self->stream_frontend_->Start();
   grpc::HealthCheckServiceInterface* health = self->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(kTrainingServiceName, true);
   health->SetServingStatus(true);
 
   if (!config.port_file.empty()) {

@@ -32,6 +32,8 @@ SERVICES = {
                                       "RegisterSharedMemory", "UnregisterSharedMemory",
                                       "CreateSession", "GetSession", "ListSessions",
                                       "DeleteSession", "AppendKV"},
+    "attnserve.v1.TrainingService": {"SubmitTrainingJob", "GetTrainingJob", "ListTrainingJobs",
+                                     "WatchTrainingJob", "CancelTrainingJob", "GetTrainingResult"},
     "grpc.health.v1.Health": {"Check", "Watch"},
     "grpc.reflection.v1.ServerReflection": {"ServerReflectionInfo"},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo"},
@@ -242,7 +244,7 @@ def check_attend(curl, headers=()):
 
 
 def check_calls(curl, headers=()):
-    for service in ("", "attnserve.v1.AttentionService"):
+    for service in ("", "attnserve.v1.AttentionService", "attnserve.v1.TrainingService"):
         (reply,) = curl.call("grpc.health.v1.Health/Check", json.dumps({"service": service}))
         assert reply == {"status": "SERVING"}, f"health of {service!r}: {reply}"
     (info,) = curl.call("attnserve.v1.AttentionService/GetServerInfo", "{}", headers)
