@@ -29,6 +29,11 @@ def reference(q, k, v, dtype, **mask):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_appends_of_odd_sizes_and_steps_match_the_dense_problem(client, rng, dtype):
     tol = TOLERANCE[dtype]
+    if dtype == "float32" and client.info().gpu:  # the paged CUDA kernels hold fp16 and bf16
+        with pytest.raises(attnserve.AttnServeError) as e:
+            client.session(2, 32, dtype)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
+        return
     with client.session(2, 32, dtype, route="pytest-odd") as s:
         assert s.dtype == dtype and s.route == "pytest-odd"
         k, v = np.zeros((0, 2, 32), np.float32), np.zeros((0, 2, 32), np.float32)
@@ -66,7 +71,7 @@ def test_appends_of_odd_sizes_and_steps_match_the_dense_problem(client, rng, dty
 
 
 def test_context_manager_deletes_and_errors_are_typed(client, rng):
-    with client.session(1, 16, "float32") as s:
+    with client.session(1, 16, "float16") as s:
         sid = s.id
         assert sid in {x.session_id for x in client.sessions()}
         s.append(rows(rng, 3, 1, 16), rows(rng, 3, 1, 16))
@@ -123,7 +128,7 @@ def test_arguments_refused_before_sending(client, call, field):
 
 
 def test_step_arguments_refused_before_sending(client, rng):
-    with client.session(2, 32, "float32") as s:
+    with client.session(2, 32, "float16") as s:
         for kwargs, field in ((dict(q=rows(rng, 1, 4, 32)[None]), "q.shape"),
                               (dict(q=rows(rng, 1, 4, 32), append_k=rows(rng, 1, 2, 32)),
                                "append_k, append_v"),
@@ -143,7 +148,7 @@ def test_ttl_and_limits_reach_the_server(client, server):
     with client.session(1, 8, "bfloat16", max_tokens=100, ttl=2.5) as s:
         info = s.info()
         assert (info.max_tokens, info.ttl_seconds) == (100, 3)  # whole seconds, rounded up
-        assert info.device == client.info().devices[0].name or info.device.startswith("cpu")
+        assert info.device == "cpu" or info.device.startswith("cuda:")
 
 
 def test_async_session(server, rng):
@@ -198,14 +203,14 @@ def test_route_travels_as_the_header_on_every_call(server, rng):
     with attnserve.Client(server.target, token=None) as c:
         c._channel = grpc.intercept_channel(c._channel, Recorder())
         c._stub = attnserve._proto.Stub(c._channel)
-        with c.session(1, 8, "float32", route="conversation-42") as s:
+        with c.session(1, 8, "float16", route="conversation-42") as s:
             s.append(rows(rng, 2, 1, 8), rows(rng, 2, 1, 8))
             s.attend(rows(rng, 1, 1, 8), append_k=rows(rng, 1, 1, 8),
                      append_v=rows(rng, 1, 1, 8))
             s.info()
             c.sessions(route="conversation-42")
         c.info()
-        with c.session(1, 8, "float32") as plain:
+        with c.session(1, 8, "float16") as plain:
             plain.info()
     routed = ["CreateSession", "AppendKV", "Attend", "GetSession", "ListSessions",
               "DeleteSession"]
