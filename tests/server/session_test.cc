@@ -239,20 +239,20 @@ TEST(Sessions, BelongToTheirIdentity) {
   std::ofstream(path) << "alice tok-alice-0001\nbob tok-bob-00001\n";
   auto server = Start({absl::StrCat("--auth_token_file=", path)});
   Client alice = ClientOf(*server, "tok-alice-0001"), bob = ClientOf(*server, "tok-bob-00001");
-  const v1::Session session = alice.Create(1, 16, v1::DTYPE_FLOAT32);
+  const v1::Session session = alice.Create(1, 32, v1::DTYPE_FLOAT16);
   std::mt19937_64 rng(3);
   v1::Session got;
   const grpc::Status bob_get = bob.Get(session.session_id(), &got);
   const grpc::Status bob_unknown = bob.Get("00000000000000000000000000000000", &got);
   v1::AttendResponse response;
   const grpc::Status bob_attend =
-      bob.Attend(client::SessionStep(session.session_id(), Rows(v1::DTYPE_FLOAT32, 1, 1, 16, rng),
+      bob.Attend(client::SessionStep(session.session_id(), Rows(v1::DTYPE_FLOAT16, 1, 1, 32, rng),
                                      nullptr, nullptr, false, false),
                  &response);
   v1::AppendKVResponse appended;
   const grpc::Status bob_append = client::AppendKV(
-      *bob.stub, *bob.factory, session.session_id(), Rows(v1::DTYPE_FLOAT32, 2, 1, 16, rng),
-      Rows(v1::DTYPE_FLOAT32, 2, 1, 16, rng), 8, &appended);
+      *bob.stub, *bob.factory, session.session_id(), Rows(v1::DTYPE_FLOAT16, 2, 1, 32, rng),
+      Rows(v1::DTYPE_FLOAT16, 2, 1, 32, rng), 8, &appended);
   const grpc::Status bob_delete =
       client::DeleteSession(*bob.stub, *bob.factory, session.session_id());
   for (const grpc::Status& s : {bob_get, bob_attend, bob_append, bob_delete}) {
@@ -272,8 +272,8 @@ TEST(Sessions, BelongToTheirIdentity) {
 TEST(Sessions, IdleSessionsExpire) {
   auto server = Start({"--session_ttl=1s"});
   Client c = ClientOf(*server);
-  const v1::Session fast = c.Create(1, 16, v1::DTYPE_FLOAT32);
-  const v1::Session slow = c.Create(1, 16, v1::DTYPE_FLOAT32, 0, /*ttl_seconds=*/60);
+  const v1::Session fast = c.Create(1, 32, v1::DTYPE_FLOAT16);
+  const v1::Session slow = c.Create(1, 32, v1::DTYPE_FLOAT16, 0, /*ttl_seconds=*/60);
   absl::SleepFor(absl::Milliseconds(2500));
   v1::Session got;
   EXPECT_EQ(c.Get(fast.session_id(), &got).error_code(), grpc::StatusCode::NOT_FOUND);
@@ -285,21 +285,22 @@ TEST(Sessions, IdleSessionsExpire) {
 }
 
 TEST(Sessions, AFullPoolRefusesAndRecovers) {
-  // 8 pages of 4 KiB; at 2 KV heads x 32 x fp32 a page holds 8 tokens: 64 tokens in all.
-  auto server = Start({"--kv_page_bytes=4096", "--kv_pool_bytes=32768"});
+  // 8 pages of 2 KiB; at 2 KV heads x 32 x fp16 a page holds 8 tokens: 64 tokens in all.
+  // (fp16: the paged kernels of a GPU server take it too.)
+  auto server = Start({"--kv_page_bytes=2048", "--kv_pool_bytes=16384"});
   Client c = ClientOf(*server);
   std::mt19937_64 rng(5);
-  const v1::Session a = c.Create(2, 32, v1::DTYPE_FLOAT32);
-  const v1::Session b = c.Create(2, 32, v1::DTYPE_FLOAT32);
+  const v1::Session a = c.Create(2, 32, v1::DTYPE_FLOAT16);
+  const v1::Session b = c.Create(2, 32, v1::DTYPE_FLOAT16);
   v1::AppendKVResponse appended;
   ASSERT_TRUE(client::AppendKV(*c.stub, *c.factory, a.session_id(),
-                               Rows(v1::DTYPE_FLOAT32, 40, 2, 32, rng),
-                               Rows(v1::DTYPE_FLOAT32, 40, 2, 32, rng), 16, &appended)
+                               Rows(v1::DTYPE_FLOAT16, 40, 2, 32, rng),
+                               Rows(v1::DTYPE_FLOAT16, 40, 2, 32, rng), 16, &appended)
                   .ok());
   // 30 more do not fit beside a's 40 (5 pages): refused, and b is as it was (empty).
   const grpc::Status full =
-      client::AppendKV(*c.stub, *c.factory, b.session_id(), Rows(v1::DTYPE_FLOAT32, 30, 2, 32, rng),
-                       Rows(v1::DTYPE_FLOAT32, 30, 2, 32, rng), 8, &appended);
+      client::AppendKV(*c.stub, *c.factory, b.session_id(), Rows(v1::DTYPE_FLOAT16, 30, 2, 32, rng),
+                       Rows(v1::DTYPE_FLOAT16, 30, 2, 32, rng), 8, &appended);
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
   EXPECT_TRUE(absl::StrContains(full.error_message(), "bytes asked")) << full.error_message();
   v1::Session got;
@@ -309,20 +310,20 @@ TEST(Sessions, AFullPoolRefusesAndRecovers) {
   // Deleting a gives its pages back: now they fit.
   ASSERT_TRUE(client::DeleteSession(*c.stub, *c.factory, a.session_id()).ok());
   EXPECT_TRUE(client::AppendKV(*c.stub, *c.factory, b.session_id(),
-                               Rows(v1::DTYPE_FLOAT32, 30, 2, 32, rng),
-                               Rows(v1::DTYPE_FLOAT32, 30, 2, 32, rng), 8, &appended)
+                               Rows(v1::DTYPE_FLOAT16, 30, 2, 32, rng),
+                               Rows(v1::DTYPE_FLOAT16, 30, 2, 32, rng), 8, &appended)
                   .ok());
   EXPECT_EQ(server->Stop(SIGTERM), 0) << server->log();
 }
 
 TEST(Sessions, AnAppendCancelledHalfWayLeavesTheSessionAsItWas) {
-  auto server = Start({"--kv_page_bytes=4096", "--kv_pool_bytes=32768"});
+  auto server = Start({"--kv_page_bytes=2048", "--kv_pool_bytes=16384"});
   Client c = ClientOf(*server);
   std::mt19937_64 rng(9);
-  const v1::Session s = c.Create(2, 32, v1::DTYPE_FLOAT32);
+  const v1::Session s = c.Create(2, 32, v1::DTYPE_FLOAT16);
   History all;
-  const v1::Tensor k = Rows(v1::DTYPE_FLOAT32, 10, 2, 32, rng),
-                   v = Rows(v1::DTYPE_FLOAT32, 10, 2, 32, rng);
+  const v1::Tensor k = Rows(v1::DTYPE_FLOAT16, 10, 2, 32, rng),
+                   v = Rows(v1::DTYPE_FLOAT16, 10, 2, 32, rng);
   v1::AppendKVResponse appended;
   ASSERT_TRUE(client::AppendKV(*c.stub, *c.factory, s.session_id(), k, v, 4, &appended).ok());
   all.Add(k, v);
@@ -334,8 +335,8 @@ TEST(Sessions, AnAppendCancelledHalfWayLeavesTheSessionAsItWas) {
     for (int i = 0; i < 3; ++i) {
       v1::AppendKVRequest chunk;
       if (i == 0) chunk.set_session_id(s.session_id());
-      *chunk.mutable_k() = Rows(v1::DTYPE_FLOAT32, 8, 2, 32, rng);
-      *chunk.mutable_v() = Rows(v1::DTYPE_FLOAT32, 8, 2, 32, rng);
+      *chunk.mutable_k() = Rows(v1::DTYPE_FLOAT16, 8, 2, 32, rng);
+      *chunk.mutable_v() = Rows(v1::DTYPE_FLOAT16, 8, 2, 32, rng);
       ASSERT_TRUE(writer->Write(chunk));
     }
     absl::SleepFor(absl::Milliseconds(200));  // the chunks reach the pages
@@ -347,13 +348,13 @@ TEST(Sessions, AnAppendCancelledHalfWayLeavesTheSessionAsItWas) {
   ASSERT_TRUE(c.Get(s.session_id(), &got).ok());
   EXPECT_EQ(got.tokens(), 10);
   // Its pages went back: the pool still takes 54 more tokens (8 pages x 8 - 10).
-  const v1::Tensor k54 = Rows(v1::DTYPE_FLOAT32, 54, 2, 32, rng);
-  const v1::Tensor v54 = Rows(v1::DTYPE_FLOAT32, 54, 2, 32, rng);
+  const v1::Tensor k54 = Rows(v1::DTYPE_FLOAT16, 54, 2, 32, rng);
+  const v1::Tensor v54 = Rows(v1::DTYPE_FLOAT16, 54, 2, 32, rng);
   ASSERT_TRUE(client::AppendKV(*c.stub, *c.factory, s.session_id(), k54, v54, 16, &appended).ok());
   all.Add(k54, v54);
   // And what the session holds is exactly what was committed, the cancelled rows nowhere.
   const v1::AttendRequest step = client::SessionStep(
-      s.session_id(), Rows(v1::DTYPE_FLOAT32, 1, 2, 32, rng), nullptr, nullptr, false, true);
+      s.session_id(), Rows(v1::DTYPE_FLOAT16, 1, 2, 32, rng), nullptr, nullptr, false, true);
   v1::AttendResponse response;
   ASSERT_TRUE(c.Attend(step, &response).ok());
   ExpectMatchesDense(step, response, all);
