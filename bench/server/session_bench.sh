@@ -4,7 +4,8 @@
 # K/V appended, causal) and, in the same run, `--stateless` (the same steps as plain Attend calls
 # carrying the whole K/V each time), for each (sessions, context) of the grid. One JSON line per
 # level (steps/s, KV bytes read/s, p50/p90/p99, the ingest GB/s of the AppendKV calls that built
-# the sessions) goes to $OUT/session-bench.jsonl, and a table is printed last.
+# the sessions, the mean context a step attended over: each step appends its own row, so the
+# sessions grow from level to level) goes to $OUT/session-bench.jsonl, and a table is printed last.
 #
 #   bash bench/server/session_bench.sh      # binaries on PATH (a gpu-bundle) or in build/
 #
@@ -73,10 +74,11 @@ server_pid=
 /usr/bin/python3 - "$jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'mode':<10}{'sessions':>9}{'context':>9}{'clients':>8}{'steps/s':>11}{'KV GB/s':>9}"
-      f"{'p50 ms':>9}{'p99 ms':>9}{'ingest GB/s':>12}{'errors':>7}")
+print(f"{'mode':<10}{'sessions':>9}{'context':>9}{'mean':>7}{'clients':>8}{'steps/s':>11}"
+      f"{'KV GB/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'ingest GB/s':>12}{'errors':>7}")
 for r in rows:
-    print(f"{r['mode']:<10}{r['sessions']:>9}{r['context']:>9}{r['clients']:>8}"
+    print(f"{r['mode']:<10}{r['sessions']:>9}{r['context']:>9}{r.get('mean_context', 0):>7.0f}"
+          f"{r['clients']:>8}"
           f"{r['steps_per_s']:>11.1f}{r['kv_read_gb_per_s']:>9.2f}{r['p50_ms']:>9.3f}"
           f"{r['p99_ms']:>9.3f}{r['ingest_gb_per_s']:>12.2f}{r['errors']:>7}")
 PY
