@@ -17,11 +17,14 @@ extern char** environ;
 
 namespace attnserve::test_support {
 
+std::string BinaryFromEnv(const char* env, const std::string& built) {
+  const char* from_env = std::getenv(env);
+  return from_env != nullptr && *from_env != '\0' ? from_env : built;
+}
+
 bool ServerProcess::Start(const std::string& built_binary,
                           const std::vector<std::string>& flags, absl::Duration timeout) {
-  // The build's path is compiled in; a copied bundle (the GPU machine) names its own.
-  const char* from_env = std::getenv("ATTNSERVE_SERVER_BINARY");
-  const std::string binary = from_env != nullptr && *from_env != '\0' ? from_env : built_binary;
+  const std::string binary = BinaryFromEnv("ATTNSERVE_SERVER_BINARY", built_binary);
   char templ[] = "/tmp/attnserve_test_XXXXXX";
   dir_ = mkdtemp(templ);
   const std::string port_file = dir_ + "/port";

@@ -10,6 +10,10 @@
 
 namespace attnserve::test_support {
 
+// The program `built` names (a path compiled into the tests), or $`env` when set: a copied
+// bundle (the GPU machine) names its own. ATTNSERVE_SERVER_BINARY, ATTNSERVE_CLIENT_BINARY.
+std::string BinaryFromEnv(const char* env, const std::string& built);
+
 class ServerProcess {
  public:
   // Starts `binary --listen=127.0.0.1:0 --port_file=... <flags>` and waits for the port;

@@ -575,7 +575,8 @@ TEST(TrainingServer, CommandLineClientSubmitsWatchesAndCollects) {
   auto server = StartServer({});
   char dir_template[] = "/tmp/attnserve_cli_XXXXXX";
   const std::string dir = mkdtemp(dir_template);
-  const std::string client = absl::StrCat(ATTN_CLIENT_BINARY, " --target=", server->target());
+  const std::string client = absl::StrCat(test_support::BinaryFromEnv("ATTNSERVE_CLIENT_BINARY", ATTN_CLIENT_BINARY),
+                   " --target=", server->target());
   std::string submitted;
   ASSERT_EQ(
       RunCommand(client + " train submit --head_dim=16 --causal --steps=60 --follow", &submitted),
