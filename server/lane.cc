@@ -632,7 +632,9 @@ absl::Status Lane::RunSessionSteps(const std::vector<SessionStepWork*>& batch,
   ATTN_RETURN_IF_ERROR(pool->Synchronize());
   report->computed = absl::Now();
   for (Step& step : steps) {
-    if (step.append != nullptr) step.append->Commit();
+    // A session deleted while its step ran: the answer stands (it attended over what the
+    // session held), the appended row goes with the session.
+    if (step.append != nullptr) step.append->Commit().IgnoreError();
     step.work->keys = step.keys.tokens;
   }
 

@@ -144,8 +144,9 @@ class AppendReactor final : public grpc::ServerReadReactor<v1::AppendKVRequest> 
     } else if (append_ == nullptr) {
       End(ToGrpcStatus(absl::InvalidArgumentError(
           "session_id: missing (the first AppendKV message names the session)")));
+    } else if (const absl::Status committed = append_->Commit(); !committed.ok()) {
+      End(ToGrpcStatus(committed));  // deleted meanwhile
     } else {
-      append_->Commit();
       FillSession(append_->session(), response_->mutable_session());
       response_->set_tokens_appended(append_->appended());
       End(grpc::Status::OK);

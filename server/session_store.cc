@@ -49,6 +49,16 @@ Session::Session(std::string id, Identity owner, const SessionSpec& spec, int pa
 
 Session::~Session() { pool_->Free(pages_); }
 
+void Session::MarkDeleted() {
+  absl::MutexLock lock(&mu_);
+  deleted_ = true;
+}
+
+bool Session::deleted() const {
+  absl::MutexLock lock(&mu_);
+  return deleted_;
+}
+
 Session::Snapshot Session::Read() const {
   absl::MutexLock lock(&mu_);
   Snapshot s;
@@ -142,6 +152,7 @@ SessionAppend::~SessionAppend() {
 
 absl::StatusOr<std::vector<SessionAppend::RowSpan>> SessionAppend::Extend(int64_t tokens) {
   Session& s = *session_;
+  if (s.deleted()) return NotFound();
   const int64_t end = base_ + written_ + tokens;
   if (end > s.max_tokens()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -181,13 +192,15 @@ Session::Snapshot SessionAppend::Pending() const {
   return s;
 }
 
-void SessionAppend::Commit() {
+absl::Status SessionAppend::Commit() {
   absl::MutexLock lock(&session_->mu_);
+  if (session_->deleted_) return NotFound();  // the destructor gives the new pages back
   session_->tokens_ = base_ + written_;
   session_->pages_ = pages_;
   session_->append_open_ = false;
   session_->last_used_ = absl::Now();
   committed_ = true;
+  return absl::OkStatus();
 }
 
 SessionStore::SessionStore(const Options& options, std::vector<KvPagePool*> pools, Events events)
@@ -289,6 +302,7 @@ absl::Status SessionStore::Delete(const Identity& owner, const std::string& id) 
     sessions_.erase(it);
     if (--per_owner_[owner] <= 0) per_owner_.erase(owner);
   }
+  removed->MarkDeleted();
   if (events_.deleted) events_.deleted(*removed);
   return absl::OkStatus();  // its pages go back once the last step using it is done
 }

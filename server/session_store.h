@@ -82,6 +82,11 @@ class Session {
   void EndUse();
   bool idle(absl::Time now) const;
 
+  // Deleted by its owner: steps already running finish, an open append ends NOT_FOUND, and
+  // the pages go back when the last use ends.
+  void MarkDeleted();
+  bool deleted() const;
+
  private:
   friend class SessionAppend;
 
@@ -99,6 +104,7 @@ class Session {
   std::vector<int32_t> pages_ ABSL_GUARDED_BY(mu_);
   absl::Time last_used_ ABSL_GUARDED_BY(mu_);
   bool append_open_ ABSL_GUARDED_BY(mu_) = false;
+  bool deleted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Keeps a session in use (see Session::BeginUse) for as long as it lives.
@@ -128,7 +134,7 @@ class SessionAppend {
 
   // Where `tokens` more rows go: one span per (page, run of rows). Pages are allocated here,
   // all or none (RESOURCE_EXHAUSTED when the pool is short, FAILED_PRECONDITION past the
-  // session's max_tokens).
+  // session's max_tokens, NOT_FOUND once the session is deleted).
   struct RowSpan {
     int64_t first_row;  // among the rows this call adds
     int64_t rows;
@@ -142,7 +148,8 @@ class SessionAppend {
   int64_t appended() const { return written_; }
   Session& session() const { return *session_; }
 
-  void Commit();
+  // NOT_FOUND, committing nothing, when the session was deleted meanwhile.
+  absl::Status Commit();
 
  private:
   SessionAppend(std::shared_ptr<Session> session, int64_t base, std::vector<int32_t> pages);

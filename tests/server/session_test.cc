@@ -361,6 +361,90 @@ TEST(Sessions, AnAppendCancelledHalfWayLeavesTheSessionAsItWas) {
   EXPECT_EQ(server->Stop(SIGTERM), 0) << server->log();
 }
 
+TEST(Sessions, ADeletedSessionFinishesWhatRunsAndGivesItsPagesBack) {
+  // 8 pages of 2 KiB; at 2 KV heads x 32 x fp16 a page holds 8 tokens: 64 tokens in all.
+  auto server = Start({"--kv_page_bytes=2048", "--kv_pool_bytes=16384"});
+  Client c = ClientOf(*server);
+  std::mt19937_64 rng(21);
+  const v1::Session s = c.Create(2, 32, v1::DTYPE_FLOAT16);
+  History all;
+  const v1::Tensor k = Rows(v1::DTYPE_FLOAT16, 40, 2, 32, rng),
+                   v = Rows(v1::DTYPE_FLOAT16, 40, 2, 32, rng);
+  v1::AppendKVResponse appended;
+  ASSERT_TRUE(client::AppendKV(*c.stub, *c.factory, s.session_id(), k, v, 16, &appended).ok());
+  all.Add(k, v);
+
+  // Four clients step the session until it is gone: every answer is right, or NOT_FOUND.
+  std::atomic<int> answered{0}, not_found{0};
+  absl::Mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> steppers;
+  for (int t = 0; t < 4; ++t) {
+    steppers.emplace_back([&, t] {
+      std::mt19937_64 local(100 + t);
+      for (;;) {
+        const v1::AttendRequest step =
+            client::SessionStep(s.session_id(), Rows(v1::DTYPE_FLOAT16, 1, 4, 32, local), nullptr,
+                                nullptr, /*causal=*/false, /*return_lse=*/true);
+        v1::AttendResponse response;
+        const grpc::Status status = c.Attend(step, &response);
+        if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
+          ++not_found;
+          return;
+        }
+        absl::StatusOr<client::CheckResult> check =
+            status.ok() ? client::CheckAgainstReference(
+                              client::DenseEquivalent(step, all.k, all.v), response)
+                        : absl::UnknownError(status.error_message());
+        if (!check.ok()) {
+          absl::MutexLock lock(&mu);
+          failures.push_back(std::string(check.status().message()));
+          return;
+        }
+        ++answered;
+      }
+    });
+  }
+  // And an append open on it, one chunk in.
+  grpc::ClientContext context;
+  c.factory->Prepare(&context, absl::Seconds(30));
+  v1::AppendKVResponse append_response;
+  auto writer = c.stub->AppendKV(&context, &append_response);
+  v1::AppendKVRequest chunk;
+  chunk.set_session_id(s.session_id());
+  *chunk.mutable_k() = Rows(v1::DTYPE_FLOAT16, 8, 2, 32, rng);
+  *chunk.mutable_v() = Rows(v1::DTYPE_FLOAT16, 8, 2, 32, rng);
+  ASSERT_TRUE(writer->Write(chunk));
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (answered.load() < 20 && failures.empty() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(client::DeleteSession(*c.stub, *c.factory, s.session_id()).ok());
+  for (auto& t : steppers) t.join();
+  chunk.clear_session_id();
+  writer->Write(chunk);  // the server may already have ended the call
+  writer->WritesDone();
+  const grpc::Status append_status = writer->Finish();
+  EXPECT_EQ(append_status.error_code(), grpc::StatusCode::NOT_FOUND)
+      << append_status.error_message();
+  for (const auto& f : failures) ADD_FAILURE() << f;
+  EXPECT_GE(answered.load(), 20);
+  EXPECT_EQ(not_found.load(), 4);
+
+  // Every page came back once the last use ended: a new session takes the whole pool.
+  const v1::Session whole = c.Create(2, 32, v1::DTYPE_FLOAT16);
+  const v1::Tensor k64 = Rows(v1::DTYPE_FLOAT16, 64, 2, 32, rng),
+                   v64 = Rows(v1::DTYPE_FLOAT16, 64, 2, 32, rng);
+  grpc::Status filled;
+  for (const absl::Time end = absl::Now() + absl::Seconds(5); absl::Now() < end;) {
+    filled = client::AppendKV(*c.stub, *c.factory, whole.session_id(), k64, v64, 16, &appended);
+    if (filled.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    absl::SleepFor(absl::Milliseconds(20));  // the append's call may still be ending
+  }
+  EXPECT_TRUE(filled.ok()) << filled.error_message();
+  EXPECT_EQ(server->Stop(SIGTERM), 0) << server->log();
+}
+
 TEST(Sessions, WrongShapesAndLimitsAreNamed) {
   auto server = Start({});
   Client c = ClientOf(*server);
