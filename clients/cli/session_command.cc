@@ -414,7 +414,8 @@ int RunSessionBench(const ChannelFactory& factory,
     } else {
       std::printf(
           "%-9s sessions %d x %lld tokens (mean %.0f attended), %d clients: %9.1f steps/s "
-          "(%.1f tokens/s)  KV read %7.3f GB/s  p50 %7.3f ms  p90 %7.3f ms  p99 %7.3f ms  errors %lld%s\n",
+          "(%.1f tokens/s)  KV read %7.3f GB/s  p50 %7.3f ms  p90 %7.3f ms  p99 %7.3f ms  errors "
+          "%lld%s\n",
           stateless ? "stateless" : "sessions", n, static_cast<long long>(context_tokens),
           mean_context, clients, rate, rate, kv_bytes.load() / seconds / 1e9, p50, p90, p99,
           static_cast<long long>(errors.load()),

@@ -864,10 +864,10 @@ TEST(ServerIntegration, AStreamLeftOpenEndsOnceItsRequestsAreAnswered) {
 
 TEST(ServerIntegration, AnAddressThatCannotBeListenedOnIsNamed) {
   // The shell's `echo` makes the exit status part of the output (RunAndCapture wants 0).
-  const std::string out = RunAndCapture(absl::StrCat(
-      test_support::BinaryFromEnv("ATTNSERVE_SERVER_BINARY", ATTN_SERVER_BINARY),
-      " --listen=unix:/nonexistent-attnserve-dir/s.sock --metrics_address= ",
-      "--cpu_threads=1 2>&1; echo \"exit $?\""));
+  const std::string out = RunAndCapture(
+      absl::StrCat(test_support::BinaryFromEnv("ATTNSERVE_SERVER_BINARY", ATTN_SERVER_BINARY),
+                   " --listen=unix:/nonexistent-attnserve-dir/s.sock --metrics_address= ",
+                   "--cpu_threads=1 2>&1; echo \"exit $?\""));
   EXPECT_TRUE(absl::StrContains(
       out, "--listen=unix:/nonexistent-attnserve-dir/s.sock: cannot listen there"))
       << out;
@@ -969,7 +969,8 @@ TEST(ServerIntegration, TlsServesWithTheGivenCertificate) {
 TEST(ServerIntegration, CommandLineClientChecksAgainstTheReference) {
   // Two AttendStream threads: the streams below are spread over their queues.
   Connection c = Connect({"--stream_threads=2"});
-  const std::string base = absl::StrCat(test_support::BinaryFromEnv("ATTNSERVE_CLIENT_BINARY", ATTN_CLIENT_BINARY),
+  const std::string base =
+      absl::StrCat(test_support::BinaryFromEnv("ATTNSERVE_CLIENT_BINARY", ATTN_CLIENT_BINARY),
                    " --target=", c.server->target());
   EXPECT_EQ(std::system((base + " health >/dev/null").c_str()), 0);
   EXPECT_EQ(std::system((base + " info --json >/dev/null").c_str()), 0);

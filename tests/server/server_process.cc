@@ -22,8 +22,8 @@ std::string BinaryFromEnv(const char* env, const std::string& built) {
   return from_env != nullptr && *from_env != '\0' ? from_env : built;
 }
 
-bool ServerProcess::Start(const std::string& built_binary,
-                          const std::vector<std::string>& flags, absl::Duration timeout) {
+bool ServerProcess::Start(const std::string& built_binary, const std::vector<std::string>& flags,
+                          absl::Duration timeout) {
   const std::string binary = BinaryFromEnv("ATTNSERVE_SERVER_BINARY", built_binary);
   char templ[] = "/tmp/attnserve_test_XXXXXX";
   dir_ = mkdtemp(templ);

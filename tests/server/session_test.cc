@@ -393,8 +393,8 @@ TEST(Sessions, ADeletedSessionFinishesWhatRunsAndGivesItsPagesBack) {
           return;
         }
         absl::StatusOr<client::CheckResult> check =
-            status.ok() ? client::CheckAgainstReference(
-                              client::DenseEquivalent(step, all.k, all.v), response)
+            status.ok() ? client::CheckAgainstReference(client::DenseEquivalent(step, all.k, all.v),
+                                                        response)
                         : absl::UnknownError(status.error_message());
         if (!check.ok()) {
           absl::MutexLock lock(&mu);

@@ -246,7 +246,10 @@ TEST(TrainingServer, RecallLossFallsBelowThresholdAndWatchShowsProgress) {
   auto server = StartServer({});
   const Client c(*server);
   const v1::TrainingJob submitted = c.SubmitOk(RecallSpec(150));
-  ASSERT_EQ(submitted.state(), v1::TRAINING_JOB_QUEUED) << submitted.error();
+  // A free worker may take the job before the answer to its submission is written.
+  ASSERT_TRUE(submitted.state() == v1::TRAINING_JOB_QUEUED ||
+              submitted.state() == v1::TRAINING_JOB_RUNNING)
+      << v1::TrainingJobState_Name(submitted.state()) << ": " << submitted.error();
 
   grpc::ClientContext context;
   c.factory->Prepare(&context, absl::Seconds(60));
@@ -575,7 +578,8 @@ TEST(TrainingServer, CommandLineClientSubmitsWatchesAndCollects) {
   auto server = StartServer({});
   char dir_template[] = "/tmp/attnserve_cli_XXXXXX";
   const std::string dir = mkdtemp(dir_template);
-  const std::string client = absl::StrCat(test_support::BinaryFromEnv("ATTNSERVE_CLIENT_BINARY", ATTN_CLIENT_BINARY),
+  const std::string client =
+      absl::StrCat(test_support::BinaryFromEnv("ATTNSERVE_CLIENT_BINARY", ATTN_CLIENT_BINARY),
                    " --target=", server->target());
   std::string submitted;
   ASSERT_EQ(
