@@ -19,8 +19,10 @@
 # Checkpoints are off inside the timed runs (checkpoint_every beyond the steps); one more large
 # fused job checkpoints every 50 steps to time the writes (metrics).
 # Results go to $OUT: summary.txt (the table, printed last), loss_<job>_<engine>.csv,
-# jobs.jsonl (each job's final TrainingJob), torch.jsonl, server.log, metrics.txt.
-# Knobs: BUNDLE (build/gpu-bundle), STEPS_SMALL, STEPS_LARGE, SKIP (any of cpu,torch,checkpoint).
+# jobs.jsonl (each job's final TrainingJob), torch.jsonl, server.log, metrics.txt, and, where the
+# bundle holds attn_train_step_bench, step_bench.jsonl (a large step's phases, fused and naive).
+# Knobs: BUNDLE (build/gpu-bundle), STEPS_SMALL, STEPS_LARGE, SKIP (any of
+# cpu,torch,checkpoint,bench).
 set -uo pipefail
 
 bundle=${BUNDLE:-build/gpu-bundle}
@@ -86,6 +88,16 @@ for path in fused naive; do run_job large "$path" "${large[@]}" --checkpoint_eve
 if [[ $skip != *,checkpoint,* ]]; then
   run_job ckpt fused "${large[@]}" --steps=100 --checkpoint_every=50
 fi
+# One large step's phases and the trainer without the server (bench/cuda/train_step_bench.cc),
+# where the bundle has it.
+if [[ $skip != *,bench,* ]] && command -v attn_train_step_bench >/dev/null; then
+  for path in fused naive; do
+    attn_train_step_bench --path="$path" --steps=20 >"$work/bench_$path.txt" 2>&1 ||
+      say "attn_train_step_bench $path: exit $?"
+    grep '^{' "$work/bench_$path.txt" >>"$out/step_bench.jsonl"
+    sed -n '/^phase/,$p' "$work/bench_$path.txt" | tee -a "$summary"
+  done
+fi
 curl -s "http://127.0.0.1:$(cat "$work/metrics_port")/metrics" | grep '^attnserve_training' \
   >"$out/metrics.txt" || true
 grep -E 'checkpoint_duration_seconds_(sum|count)' "$out/metrics.txt" | tee -a "$summary"
@@ -116,4 +128,17 @@ fi
 
 kill -TERM $pid
 wait $pid
-say "server exit $? ($(grep -c 'succeeded' "$out/server.log") jobs succeeded, $(grep -c ' failed' "$out/server.log") failed)"
+rc=$?
+# Job states from each job's final TrainingJob (the server log's drain line says "0 failed" of
+# requests, so grepping it for " failed" counts a job that never failed).
+jobs=$(python3 - "$out/jobs.jsonl" <<'PY'
+import collections, json, sys
+states = collections.Counter()
+for line in open(sys.argv[1]):
+    if line.strip():
+        states[json.loads(line).get("state", "?").removeprefix("TRAINING_JOB_").lower()] += 1
+others = "".join(f", {n} {s}" for s, n in sorted(states.items()) if s not in ("succeeded", "failed"))
+print(f"{states['succeeded']} jobs succeeded, {states['failed']} failed{others}")
+PY
+)
+say "server exit $rc ($jobs)"

@@ -5,7 +5,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <vector>
 
+#include "attn/status_macros.h"
 #include "cpu/thread_pool.h"
 #include "layers/cpu_gemm.h"
 #include "layers/layer_ops_internal.h"
@@ -76,6 +78,24 @@ class CpuLayerOps final : public LayerOps {
       for (int64_t i = 0; i < n; ++i) y[i] += xs[i];
     } else {
       for (int64_t i = 0; i < n; ++i) y[i] += LoadAsFloat(x, x_type, i);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SumRows(const float* table, int64_t table_rows, int64_t cols, const int32_t* row_ids,
+                       int rows_per_token, int64_t tokens, void* out, DType out_type) override {
+    std::vector<float> row(cols);
+    char* out_bytes = static_cast<char*>(out);
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::fill(row.begin(), row.end(), 0.f);
+      for (int j = 0; j < rows_per_token; ++j) {
+        const int32_t id = row_ids[t * rows_per_token + j];
+        if (id < 0 || id >= table_rows) continue;
+        const float* r = table + id * cols;
+        for (int64_t c = 0; c < cols; ++c) row[c] += r[c];
+      }
+      ATTN_RETURN_IF_ERROR(Convert(row.data(), DType::kF32,
+                                   out_bytes + t * cols * DTypeSize(out_type), out_type, cols));
     }
     return absl::OkStatus();
   }

@@ -78,6 +78,23 @@ __global__ void AddToKernel(const void* x, DType x_type, float* y, int64_t n) {
   }
 }
 
+// Blocks stride over the tokens; a block's threads over the columns, one token at a time.
+__global__ void SumRowsKernel(const float* table, int64_t table_rows, int64_t cols,
+                              const int32_t* row_ids, int rows_per_token, int64_t tokens, void* out,
+                              DType out_type) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const int32_t* ids = row_ids + t * rows_per_token;
+    for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+      float sum = 0.f;
+      for (int j = 0; j < rows_per_token; ++j) {
+        const int32_t id = ids[j];
+        if (id >= 0 && id < table_rows) sum = __fadd_rn(sum, table[id * cols + c]);
+      }
+      Store(out, out_type, t * cols + c, sum);
+    }
+  }
+}
+
 // One block per row.
 __global__ void LayerNormForwardKernel(const float* x, const float* gain, const float* bias,
                                        int64_t cols, float epsilon, float* y, float* mean,
@@ -251,6 +268,16 @@ cudaError_t Convert(const void* in, DType in_type, void* out, DType out_type, in
 cudaError_t AddTo(const void* x, DType x_type, float* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   AddToKernel<<<Blocks(n), kThreads, 0, stream>>>(x, x_type, y, n);
+  return cudaGetLastError();
+}
+
+cudaError_t SumRows(const float* table, int64_t table_rows, int64_t cols, const int32_t* row_ids,
+                    int rows_per_token, int64_t tokens, void* out, DType out_type,
+                    cudaStream_t stream) {
+  if (tokens == 0 || cols == 0) return cudaSuccess;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(tokens, 65535));
+  SumRowsKernel<<<blocks, kThreads, 0, stream>>>(table, table_rows, cols, row_ids, rows_per_token,
+                                                 tokens, out, out_type);
   return cudaGetLastError();
 }
 

@@ -15,6 +15,9 @@ namespace attn::layers::cuda_kernels {
 cudaError_t Convert(const void* in, DType in_type, void* out, DType out_type, int64_t n,
                     cudaStream_t stream);
 cudaError_t AddTo(const void* x, DType x_type, float* y, int64_t n, cudaStream_t stream);
+cudaError_t SumRows(const float* table, int64_t table_rows, int64_t cols, const int32_t* row_ids,
+                    int rows_per_token, int64_t tokens, void* out, DType out_type,
+                    cudaStream_t stream);
 
 cudaError_t LayerNormForward(const float* x, const float* gain, const float* bias, int64_t rows,
                              int64_t cols, float epsilon, float* y, float* mean, float* rstd,

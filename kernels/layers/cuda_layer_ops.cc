@@ -98,6 +98,13 @@ class CudaLayerOps final : public LayerOps {
     return Launched(cuda_kernels::AddTo(x, x_type, y, n, stream_), "add");
   }
 
+  absl::Status SumRows(const float* table, int64_t table_rows, int64_t cols, const int32_t* row_ids,
+                       int rows_per_token, int64_t tokens, void* out, DType out_type) override {
+    return Launched(cuda_kernels::SumRows(table, table_rows, cols, row_ids, rows_per_token, tokens,
+                                          out, out_type, stream_),
+                    "sum of rows");
+  }
+
   absl::Status LayerNormForward(const float* x, const float* gain, const float* bias, int64_t rows,
                                 int64_t cols, float epsilon, float* y, float* mean,
                                 float* rstd) override {

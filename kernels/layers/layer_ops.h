@@ -104,6 +104,12 @@ class LayerOps {
                                int64_t n) = 0;
   // y += x.
   virtual absl::Status AddTo(const void* x, DType x_type, float* y, int64_t n) = 0;
+  // Row t of out [tokens, cols] = the sum of rows row_ids[t * rows_per_token + j] of table
+  // [table_rows, cols] float32, over j in order, added in float32 from zero and rounded to
+  // out_type (the values a host sum then Convert gives). Ids outside [0, table_rows) add nothing.
+  virtual absl::Status SumRows(const float* table, int64_t table_rows, int64_t cols,
+                               const int32_t* row_ids, int rows_per_token, int64_t tokens,
+                               void* out, DType out_type) = 0;
 
   // y = (x - mean) * rstd * gain + bias over each row of `cols`; keeps mean and rstd per row.
   virtual absl::Status LayerNormForward(const float* x, const float* gain, const float* bias,

@@ -28,38 +28,57 @@ SyntheticTask::SyntheticTask(const TrainingSpec& spec)
       model_dim_(spec.layer.model_dim) {
   const int d = model_dim_, v = task_.vocab_size;
   answers_ = Table(task_.seed, kAnswers, v, d);
+  const auto append = [&](const std::vector<float>& rows) {
+    const auto first = static_cast<int32_t>(table_.size() / d);
+    table_.insert(table_.end(), rows.begin(), rows.end());
+    return first;
+  };
   if (task_.kind == TaskKind::kAssociativeRecall) {
-    keys_ = Table(task_.seed, kKeys, v, d);
-    queries_ = Table(task_.seed, kQueries, v, d);
+    keys_ = append(Table(task_.seed, kKeys, v, d));
+    values_ = append(answers_);
+    queries_ = append(Table(task_.seed, kQueries, v, d));
   } else {
-    positions_ = Table(task_.seed, kPositions, seqlen_, d);
-    marker_ = Table(task_.seed, kMarker, 1, d);
+    tokens_ = append(answers_);
+    positions_ = append(Table(task_.seed, kPositions, seqlen_, d));
+    marker_ = append(Table(task_.seed, kMarker, 1, d));
   }
 }
 
-void SyntheticTask::Add(const std::vector<float>& table, int64_t row, float* x) const {
-  const float* r = table.data() + row * model_dim_;
-  for (int c = 0; c < model_dim_; ++c) x[c] += r[c];
-}
-
-void SyntheticTask::Fill(int64_t step, HostBatch* batch) {
+void SyntheticTask::FillRows(int64_t step, RowBatch* batch) {
   const int64_t tokens = int64_t{batch_size_} * seqlen_;
-  batch->inputs.assign(tokens * model_dim_, 0.f);
+  batch->row_ids.assign(tokens * kRowsPerToken, -1);
   batch->labels.assign(tokens, -1);
-  batch->targets.clear();
   for (int b = 0; b < batch_size_; ++b) {
     Random random(task_.seed, kSteps + static_cast<uint64_t>(step) * batch_size_ + b);
-    float* x = batch->inputs.data() + int64_t{b} * seqlen_ * model_dim_;
+    int32_t* rows = batch->row_ids.data() + int64_t{b} * seqlen_ * kRowsPerToken;
     int32_t* labels = batch->labels.data() + int64_t{b} * seqlen_;
     if (task_.kind == TaskKind::kAssociativeRecall) {
-      FillRecall(random, x, labels);
+      FillRecall(random, rows, labels);
     } else {
-      FillCopy(random, x, labels);
+      FillCopy(random, rows, labels);
     }
   }
 }
 
-void SyntheticTask::FillRecall(Random& random, float* x, int32_t* labels) const {
+void SyntheticTask::Fill(int64_t step, HostBatch* batch) {
+  RowBatch rows;
+  FillRows(step, &rows);
+  const int64_t tokens = int64_t{batch_size_} * seqlen_;
+  batch->inputs.assign(tokens * model_dim_, 0.f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* x = batch->inputs.data() + t * model_dim_;
+    for (int j = 0; j < kRowsPerToken; ++j) {
+      const int32_t id = rows.row_ids[t * kRowsPerToken + j];
+      if (id < 0) continue;
+      const float* r = table_.data() + int64_t{id} * model_dim_;
+      for (int c = 0; c < model_dim_; ++c) x[c] += r[c];
+    }
+  }
+  batch->labels = std::move(rows.labels);
+  batch->targets.clear();
+}
+
+void SyntheticTask::FillRecall(Random& random, int32_t* rows, int32_t* labels) const {
   const int pairs = seqlen_ / 2;
   std::vector<int32_t> keys(task_.vocab_size);
   std::iota(keys.begin(), keys.end(), 0);
@@ -69,27 +88,26 @@ void SyntheticTask::FillRecall(Random& random, float* x, int32_t* labels) const 
   std::vector<int32_t> values(pairs);
   for (int i = 0; i < pairs; ++i) {
     values[i] = static_cast<int32_t>(random.Below(task_.vocab_size));
-    Add(keys_, keys[i], x + int64_t{i} * model_dim_);
-    Add(answers_, values[i], x + int64_t{i} * model_dim_);
+    rows[i * kRowsPerToken] = keys_ + keys[i];
+    rows[i * kRowsPerToken + 1] = values_ + values[i];
   }
   for (int t = pairs; t < seqlen_; ++t) {
     const int j = static_cast<int>(random.Below(pairs));
-    Add(queries_, keys[j], x + int64_t{t} * model_dim_);
+    rows[t * kRowsPerToken] = queries_ + keys[j];
     labels[t] = values[j];
   }
 }
 
-void SyntheticTask::FillCopy(Random& random, float* x, int32_t* labels) const {
+void SyntheticTask::FillCopy(Random& random, int32_t* rows, int32_t* labels) const {
   const int prompt = seqlen_ / 2;
   std::vector<int32_t> tokens(prompt);
   for (int t = 0; t < seqlen_; ++t) {
-    float* row = x + int64_t{t} * model_dim_;
-    Add(positions_, t, row);
+    rows[int64_t{t} * kRowsPerToken] = positions_ + t;
     if (t < prompt) {
       tokens[t] = static_cast<int32_t>(random.Below(task_.vocab_size));
-      Add(answers_, tokens[t], row);
+      rows[int64_t{t} * kRowsPerToken + 1] = tokens_ + tokens[t];
     } else {
-      Add(marker_, 0, row);
+      rows[int64_t{t} * kRowsPerToken + 1] = marker_;
       labels[t] = t - prompt < prompt ? tokens[t - prompt] : -1;
     }
   }

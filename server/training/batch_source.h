@@ -20,6 +20,18 @@ struct HostBatch {
   std::vector<float> targets;   // regression: [tokens, model_dim]
 };
 
+// Rows of row_table() each token's input sums (RowBatch).
+inline constexpr int kRowsPerToken = 2;
+
+// One step's batch of a source whose inputs are sums of rows of a fixed table: token t's input
+// is row_ids[t * kRowsPerToken + j] of row_table() summed over j in order (float32, from zero;
+// a negative id adds nothing). HostBatch::inputs holds exactly these sums; this form is what
+// the trainer sends to the device (8 bytes a token instead of 4 * model_dim).
+struct RowBatch {
+  std::vector<int32_t> row_ids;  // [tokens, kRowsPerToken]
+  std::vector<int32_t> labels;   // as HostBatch::labels
+};
+
 class BatchSource {
  public:
   virtual ~BatchSource() = default;
@@ -29,6 +41,12 @@ class BatchSource {
   virtual const std::vector<float>& class_embeddings() const = 0;
   // The batch of step `step` (1-based). Thread-compatible.
   virtual void Fill(int64_t step, HostBatch* batch) = 0;
+
+  // Sources whose inputs are sums of table rows: the table, [rows, model_dim] float32; null for
+  // the others, which have no FillRows.
+  virtual const std::vector<float>* row_table() const { return nullptr; }
+  // The batch of step `step` as rows of row_table() (Fill's batch, inputs unsummed).
+  virtual void FillRows(int64_t /*step*/, RowBatch* /*batch*/) {}
 };
 
 // The built-in tasks (training.proto's SyntheticTaskKind says what each asks). Embeddings are
@@ -40,17 +58,23 @@ class SyntheticTask final : public BatchSource {
   bool classification() const override { return true; }
   const std::vector<float>& class_embeddings() const override { return answers_; }
   void Fill(int64_t step, HostBatch* batch) override;
+  const std::vector<float>* row_table() const override { return &table_; }
+  void FillRows(int64_t step, RowBatch* batch) override;
 
  private:
-  void FillRecall(attn::layers::Random& random, float* x, int32_t* labels) const;
-  void FillCopy(attn::layers::Random& random, float* x, int32_t* labels) const;
-  void Add(const std::vector<float>& table, int64_t row, float* x) const;
+  // One sequence's row ids ([seqlen, kRowsPerToken], preset to -1) and labels.
+  void FillRecall(attn::layers::Random& random, int32_t* rows, int32_t* labels) const;
+  void FillCopy(attn::layers::Random& random, int32_t* rows, int32_t* labels) const;
 
   const SyntheticTaskSpec task_;
   const int batch_size_, seqlen_, model_dim_;
-  // Recall: keys_, answers_ (values) and queries_; copy: answers_ (tokens), positions_ and
-  // marker_ (the answer positions' input beside their position).
-  std::vector<float> keys_, answers_, queries_, positions_, marker_;
+  // The class embeddings: recall's values, copy's tokens.
+  std::vector<float> answers_;
+  // Every row an input sums, table by table. Recall: keys, answers (values), queries; copy:
+  // answers (tokens), positions, marker (the answer positions' input beside their position).
+  // The int32 members hold each table's first row in it.
+  std::vector<float> table_;
+  int32_t keys_ = 0, values_ = 0, queries_ = 0, tokens_ = 0, positions_ = 0, marker_ = 0;
 };
 
 // Uploaded sequences, held as float32 [num_sequences, seqlen, model_dim] for inputs and targets.

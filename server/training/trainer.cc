@@ -91,8 +91,16 @@ absl::Status Trainer::Init(const TrainerOptions& options_in) {
                         attn::layers::Optimizer::Create(optimizer, ops_.get(), layer_->params(),
                                                         layer_->num_weights()));
   const int64_t values = tokens * spec_.layer.model_dim;
-  ATTN_ASSIGN_OR_RETURN(inputs_f32_, ops_->Allocate(values * 4));
   ATTN_ASSIGN_OR_RETURN(inputs_, ops_->Allocate(values * attn::DTypeSize(spec_.layer.dtype)));
+  row_table_host_ = data_->row_table();
+  if (row_table_host_ != nullptr) {
+    const int64_t table_bytes = static_cast<int64_t>(row_table_host_->size()) * 4;
+    ATTN_ASSIGN_OR_RETURN(row_table_, ops_->Allocate(table_bytes));
+    ATTN_RETURN_IF_ERROR(ops_->Upload(row_table_.data(), row_table_host_->data(), table_bytes));
+    ATTN_ASSIGN_OR_RETURN(row_ids_, ops_->Allocate(tokens * kRowsPerToken * 4));
+  } else {
+    ATTN_ASSIGN_OR_RETURN(inputs_f32_, ops_->Allocate(values * 4));
+  }
 
   std::vector<float> weights = attn::layers::InitialWeights(spec_.layer, spec_.seed);
   for (const attn::layers::ParamSlot& slot : layer_->params()) {
@@ -130,16 +138,39 @@ absl::StatusOr<TrainerState> Trainer::Save() const {
   return state;
 }
 
+void Trainer::Prepare(int64_t step) {
+  if (row_table_host_ != nullptr) {
+    data_->FillRows(step, &rows_);
+  } else {
+    data_->Fill(step, &batch_);
+  }
+  prepared_step_ = step;
+}
+
 absl::StatusOr<StepStats> Trainer::Step() {
   StepStats stats;
   stats.step = step_ + 1;
-  data_->Fill(stats.step, &batch_);
-  const int64_t values = layer_->tokens() * spec_.layer.model_dim;
-  ATTN_RETURN_IF_ERROR(ops_->Upload(inputs_f32_.data(), batch_.inputs.data(), values * 4));
-  ATTN_RETURN_IF_ERROR(ops_->Convert(inputs_f32_.data(), attn::DType::kF32, inputs_.data(),
-                                     spec_.layer.dtype, values));
+  if (prepared_step_ != stats.step) Prepare(stats.step);
+  const int64_t tokens = layer_->tokens();
+  const int64_t values = tokens * spec_.layer.model_dim;
+  const std::vector<int32_t>* labels = &batch_.labels;
+  if (row_table_host_ != nullptr) {
+    // 8 bytes a token cross to the device, not 4 * model_dim: the device sums the rows.
+    ATTN_RETURN_IF_ERROR(
+        ops_->Upload(row_ids_.data(), rows_.row_ids.data(), tokens * kRowsPerToken * 4));
+    ATTN_RETURN_IF_ERROR(
+        ops_->SumRows(row_table_.as<const float>(),
+                      static_cast<int64_t>(row_table_host_->size()) / spec_.layer.model_dim,
+                      spec_.layer.model_dim, row_ids_.as<const int32_t>(), kRowsPerToken, tokens,
+                      inputs_.data(), spec_.layer.dtype));
+    labels = &rows_.labels;
+  } else {
+    ATTN_RETURN_IF_ERROR(ops_->Upload(inputs_f32_.data(), batch_.inputs.data(), values * 4));
+    ATTN_RETURN_IF_ERROR(ops_->Convert(inputs_f32_.data(), attn::DType::kF32, inputs_.data(),
+                                       spec_.layer.dtype, values));
+  }
   if (classification_ != nullptr) {
-    ATTN_RETURN_IF_ERROR(classification_->SetLabels(batch_.labels.data()));
+    ATTN_RETURN_IF_ERROR(classification_->SetLabels(labels->data()));
   } else {
     ATTN_RETURN_IF_ERROR(regression_->SetTargets(batch_.targets.data()));
   }
@@ -157,6 +188,9 @@ absl::StatusOr<StepStats> Trainer::Step() {
         attn::layers::LearningRateAt(spec_.optimizer, stats.step)));
   }
   ATTN_RETURN_IF_ERROR(layer_->Backward(objective_->d_out()));
+  // The uploads above have been read (the loss came back after them), and a batch depends on
+  // its step alone: draw the next one while the device runs the backward pass.
+  if (stats.step < spec_.steps) Prepare(stats.step + 1);
   ATTN_ASSIGN_OR_RETURN(const attn::layers::UpdateOutcome update,
                         optimizer_->Apply(stats.step, layer_->weights(), layer_->gradients()));
   stats.learning_rate = update.learning_rate;

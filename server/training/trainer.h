@@ -85,8 +85,20 @@ class Trainer {
   attn::layers::ClassificationObjective* classification_ = nullptr;
   attn::layers::RegressionObjective* regression_ = nullptr;
   std::unique_ptr<attn::layers::Optimizer> optimizer_;
-  attn::layers::Buffer inputs_f32_, inputs_;  // the batch, staged and in the compute dtype
+  // Fills the host batch of `step` (a row batch where the source has a row table).
+  void Prepare(int64_t step);
+
+  attn::layers::Buffer inputs_;  // the batch's inputs in the compute dtype
+  // Sources with a row table (the synthetic tasks): the table on the device and each step's row
+  // ids, from which the device sums the inputs; the others upload float32 inputs to inputs_f32_.
+  const std::vector<float>* row_table_host_ = nullptr;
+  attn::layers::Buffer row_table_, row_ids_;
+  attn::layers::Buffer inputs_f32_;
   HostBatch batch_;
+  RowBatch rows_;
+  // The step whose batch batch_ / rows_ hold (0: none). Step fills the next step's while the
+  // device runs the backward pass.
+  int64_t prepared_step_ = 0;
   int64_t step_ = 0;
 };
 

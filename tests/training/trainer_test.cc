@@ -10,6 +10,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
+#include "layers/layer_ops.h"
 #include "layers/random.h"
 #include "tests/training/layer_reference.h"
 
@@ -107,6 +109,85 @@ TEST(TrainerGradients, WindowedRegression) {
   for (float& x : targets) x = static_cast<float>(random.Normal());
   UploadedDataset data(spec, inputs, targets);
   ExpectGradientsMatch(spec, &data);
+}
+
+// The trainer sends synthetic batches as row ids and sums them on the device (SumRows): the
+// sums must be Fill's inputs bit for bit, in float32 and rounded to 16 bits, on every ops this
+// build can run; ids outside the table add nothing.
+TEST(SyntheticRows, SummedRowsAreTheDenseBatch) {
+  std::vector<attn::MemorySpace> spaces{attn::MemorySpace::kHost};
+  if (attn::layers::CreateLayerOps(attn::MemorySpace::kDevice).ok()) {
+    spaces.push_back(attn::MemorySpace::kDevice);
+  }
+  for (const TaskKind kind : {TaskKind::kAssociativeRecall, TaskKind::kCopy}) {
+    for (const attn::MemorySpace space : spaces) {
+      for (const attn::DType dtype : {attn::DType::kF32, attn::DType::kBF16}) {
+        SCOPED_TRACE(absl::StrCat(std::string(TaskName(kind)), " ",
+                                  space == attn::MemorySpace::kHost ? "host" : "device", " ",
+                                  std::string(attn::DTypeName(dtype))));
+        TrainingSpec spec = SmallSpec();
+        spec.synthetic.kind = kind;
+        spec.synthetic.vocab_size = 5;
+        spec.layer.model_dim = 37;  // no multiple of a vector width
+        spec.batch_size = 3;
+        spec.seqlen = 9;
+        SyntheticTask task(spec);
+        HostBatch dense;
+        task.Fill(4, &dense);
+        RowBatch rows;
+        task.FillRows(4, &rows);
+        ASSERT_EQ(rows.labels, dense.labels);
+        const std::vector<float>& table = *task.row_table();
+        const int64_t cols = spec.layer.model_dim;
+        const int64_t table_rows = static_cast<int64_t>(table.size()) / cols;
+        const int64_t tokens = int64_t{spec.batch_size} * spec.seqlen;
+        ASSERT_EQ(static_cast<int64_t>(rows.row_ids.size()), tokens * kRowsPerToken);
+        // Token 0's second row out of range both ways: token 0 then sums its first row alone.
+        std::vector<int32_t> ids = rows.row_ids;
+        ids[1] = static_cast<int32_t>(table_rows);
+        std::vector<float> expected = dense.inputs;
+        for (int64_t c = 0; c < cols; ++c) expected[c] = 0.f + table[ids[0] * cols + c];
+        ids[kRowsPerToken + 1] = -7;
+        for (int64_t c = 0; c < cols; ++c) {
+          expected[cols + c] = 0.f + table[int64_t{ids[kRowsPerToken]} * cols + c];
+        }
+
+        auto ops = attn::layers::CreateLayerOps(space);
+        ASSERT_TRUE(ops.ok()) << ops.status();
+        const int64_t bytes = tokens * cols * attn::DTypeSize(dtype);
+        auto table_buf = (*ops)->Allocate(static_cast<int64_t>(table.size()) * 4);
+        auto ids_buf = (*ops)->Allocate(static_cast<int64_t>(ids.size()) * 4);
+        auto out_buf = (*ops)->Allocate(bytes);
+        auto want_f32 = (*ops)->Allocate(tokens * cols * 4);
+        auto want_buf = (*ops)->Allocate(bytes);
+        ASSERT_TRUE(table_buf.ok() && ids_buf.ok() && out_buf.ok() && want_f32.ok() &&
+                    want_buf.ok());
+        ASSERT_TRUE(
+            (*ops)
+                ->Upload(table_buf->data(), table.data(), static_cast<int64_t>(table.size()) * 4)
+                .ok());
+        ASSERT_TRUE(
+            (*ops)->Upload(ids_buf->data(), ids.data(), static_cast<int64_t>(ids.size()) * 4).ok());
+        ASSERT_TRUE((*ops)->Upload(want_f32->data(), expected.data(), tokens * cols * 4).ok());
+        // Poisoned: every output byte must be written.
+        const std::vector<unsigned char> poison(bytes, 0xff);
+        ASSERT_TRUE((*ops)->Upload(out_buf->data(), poison.data(), bytes).ok());
+        ASSERT_TRUE((*ops)
+                        ->SumRows(table_buf->as<const float>(), table_rows, cols,
+                                  ids_buf->as<const int32_t>(), kRowsPerToken, tokens,
+                                  out_buf->data(), dtype)
+                        .ok());
+        ASSERT_TRUE((*ops)
+                        ->Convert(want_f32->data(), attn::DType::kF32, want_buf->data(), dtype,
+                                  tokens * cols)
+                        .ok());
+        std::vector<unsigned char> got(bytes), want(bytes);
+        ASSERT_TRUE((*ops)->Download(got.data(), out_buf->data(), bytes).ok());
+        ASSERT_TRUE((*ops)->Download(want.data(), want_buf->data(), bytes).ok());
+        EXPECT_EQ(got, want);
+      }
+    }
+  }
 }
 
 // The recall task of the server test, at the threshold it uses (docs/training.md).
