@@ -13,7 +13,8 @@
 # Results go to $OUT (at most 8 files come back): summary.txt, tests.log, tests-xml.tar,
 # sanitizer.log, bench.jsonl, sdpa.jsonl, anchor.txt.
 # Knobs (environment): BUNDLE (build/gpu-bundle), BENCH_ARGS (extra attn_kernel_bench flags),
-# ANCHOR_ARGS (extra sdpa_anchor.py flags), SANITIZER_FILTER (gtest filter), SKIP (any of
+# ANCHOR_ARGS (extra sdpa_anchor.py flags), TEST_FILTER (gtest filter of the test programs),
+# SANITIZER_FILTER (gtest filter), SANITIZER_TOOLS (default memcheck racecheck), SKIP (any of
 # tests,sanitizer,bench,anchor, comma-separated).
 set -uo pipefail
 
@@ -37,7 +38,8 @@ if [[ $skip != *,tests,* ]]; then
     [[ -x $t ]] || continue
     name=$(basename "$t")
     start=$SECONDS
-    "$t" --gtest_output="xml:$xml_dir/$name.xml" >>"$out/tests.log" 2>&1
+    "$t" --gtest_output="xml:$xml_dir/$name.xml" --gtest_filter="${TEST_FILTER:-*}" \
+      >>"$out/tests.log" 2>&1
     rc=$?
     counts=$(python3 - "$xml_dir/$name.xml" <<'PY'
 import sys, xml.etree.ElementTree as ET
@@ -61,12 +63,12 @@ sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-san
 filter=${SANITIZER_FILTER:-'Sweep/CudaSweepTest.*/len17_causal_bf16_d32_gqa2:Sweep/CudaSweepTest.*/varlen_empty_causal_f16_d64:Sweep/CudaSweepTest.*/window16_8_bf16_d128_gqa8:CudaNaive.Chunked*:CudaNaive.AlternatingStreams*:CudaNaive.Backward*:Sweep/CudaSweepTest.NaiveBackward*/varlen_padded_f32_d80_window'}
 if [[ $skip != *,sanitizer,* ]] && [[ -x $sanitizer ]] && [[ -x $bundle/bin/attn_cuda_tests ]]; then
   : >"$out/sanitizer.log"
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     start=$SECONDS
     "$sanitizer" --tool "$tool" --error-exitcode 99 "$bundle/bin/attn_cuda_tests" \
       --gtest_filter="$filter" >>"$out/sanitizer.log" 2>&1
     rc=$?
-    line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -1)
+    line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' "$out/sanitizer.log" | tail -1)
     tests=$(grep -E '^\[  (PASSED|FAILED)  \]' "$out/sanitizer.log" | tail -2 | tr '\n' ' ')
     say "sanitizer $tool: rc=$rc ${line:-no summary} | $tests($((SECONDS - start)) s)"
   done
@@ -88,7 +90,7 @@ if [[ $skip != *,anchor,* ]]; then
   python3 bench/sdpa_anchor.py --ours "$out/bench.jsonl" --out "$out/sdpa.jsonl" \
     ${ANCHOR_ARGS:-} >"$out/anchor.txt" 2>&1
   say "anchor: rc=$? ($((SECONDS - start)) s)"
-  grep -E '^(\||#|note|forward|device memory|  (bf16|fp16))' "$out/anchor.txt" | tee -a "$summary"
+  grep -E '^(\||#|note|forward|pinned|device memory|  (bf16|fp16))' "$out/anchor.txt" | tee -a "$summary"
   tail -3 "$out/anchor.txt" | grep -iE 'error|traceback' | tee -a "$summary"
 fi
 

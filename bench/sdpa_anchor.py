@@ -336,6 +336,26 @@ def main():
                  fmt(naive), fmt(flash), fmt(cudnn), fmt(mth), fmt(ratio(fused, flash), 2),
                  fmt(ratio(fused, cudnn), 2), fmt(ratio(naive, mth), 2))
         print("| " + " | ".join(cells) + " |")
+    # Fused rows with a pinned kernel (attn_kernel_bench --kernel / --block_n: engine fused_*),
+    # each against cuDNN.
+    pinned = sorted({e for r in ours.values() for e in r if e.startswith("fused_")})
+    if pinned:
+        print()
+        print("pinned fused kernels, TFLOP/s (ratio to cuDNN), same GPU, same run")
+        header = ("dtype", "d", "causal", "N", "fused") + tuple(pinned) + ("FLASH", "cuDNN")
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for key in keys:
+            a = anchors.get(key, {})
+            o = ours.get(key, {})
+            cudnn = tf(a.get("CUDNN"))
+            cells = [key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])]
+            for engine in ("fused",) + tuple(pinned):
+                t = tf(o.get(engine))
+                r = ratio(t, cudnn)
+                cells.append("—" if t is None else f"{t:.0f} ({fmt(r, 2)})")
+            cells += [fmt(tf(a.get("FLASH"))), fmt(cudnn)]
+            print("| " + " | ".join(cells) + " |")
     largest = max((k[3] for k in ours), default=None)
     if largest is not None:
         print()

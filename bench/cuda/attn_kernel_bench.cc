@@ -7,6 +7,10 @@
 // Flags (comma lists): --dtype=bf16,fp16 --d=64,128 --n=512,...,16384 --causal=0,1
 //   --engine=fused,naive --min_ms=100 --warmup_ms=25 --max_repeats=200 --tokens=16384
 //   --head_width=2048 --workspace_limit_gb=8 --pass=fwd|bwd
+//   --kernel=auto,portable,sm90_lockstep,sm90_tma --block_n=0,...
+// --kernel pins the fused forward's kernel (each listed one is timed; default auto) and
+// --block_n the TMA kernel's tile width (0: the heuristic's); a pinned row's engine is named
+// fused_<kernel>[_n<block_n>], so that bench/sdpa_anchor.py's `fused` column stays kAuto.
 // --pass=bwd times Engine::Backward (dQ, dK, dV from Q, K, V, O, dO and the LSE of a fused
 // forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two).
 #include <cuda_runtime_api.h>
@@ -25,6 +29,8 @@
 #include "attn/status_macros.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_buffer.h"
+#include "cuda/cuda_engines.h"
+#include "cuda/fused/fused_forward.h"
 #include "fill_random.h"
 
 namespace attn::bench {
@@ -36,6 +42,8 @@ struct Flags {
   std::vector<int> lengths{512, 1024, 2048, 4096, 8192, 16384};
   std::vector<int> causal{0, 1};
   std::vector<EngineKind> engines{EngineKind::kCudaFused, EngineKind::kCudaNaive};
+  std::vector<cuda::FusedKernel> kernels{cuda::FusedKernel::kAuto};
+  std::vector<int> block_ns{0};
   double min_ms = 100, warmup_ms = 25;
   int max_repeats = 200;
   int64_t tokens = 16384;
@@ -75,6 +83,30 @@ absl::StatusOr<int> ParseInt(const std::string& s) {
   return v;
 }
 
+struct KernelName {
+  const char* name;
+  cuda::FusedKernel kernel;
+};
+constexpr KernelName kKernelNames[] = {{"auto", cuda::FusedKernel::kAuto},
+                                       {"portable", cuda::FusedKernel::kPortable},
+                                       {"sm90_lockstep", cuda::FusedKernel::kSm90Lockstep},
+                                       {"sm90_tma", cuda::FusedKernel::kSm90Tma}};
+
+absl::StatusOr<cuda::FusedKernel> ParseKernel(const std::string& s) {
+  for (const KernelName& k : kKernelNames) {
+    if (s == k.name) return k.kernel;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kernel: not one of auto, portable, sm90_lockstep, sm90_tma: ", s));
+}
+
+const char* KernelNameOf(cuda::FusedKernel kernel) {
+  for (const KernelName& k : kKernelNames) {
+    if (k.kernel == kernel) return k.name;
+  }
+  return "?";
+}
+
 absl::StatusOr<double> ParseDouble(const std::string& s) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
@@ -111,6 +143,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       ATTN_RETURN_IF_ERROR(ParseList(value, f.engines, [](const std::string& s) {
         return ParseEngineKind(absl::StrCat("cuda_", s));
       }));
+    } else if (name == "kernel") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.kernels, ParseKernel));
+    } else if (name == "block_n") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.block_ns, ParseInt));
     } else if (name == "min_ms") {
       ATTN_ASSIGN_OR_RETURN(f.min_ms, ParseDouble(value));
     } else if (name == "warmup_ms") {
@@ -134,7 +170,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     }
   }
   if (f.dtypes.empty() || f.dims.empty() || f.lengths.empty() || f.causal.empty() ||
-      f.engines.empty()) {
+      f.engines.empty() || f.kernels.empty() || f.block_ns.empty()) {
     return absl::InvalidArgumentError("every list flag needs at least one value");
   }
   return f;
@@ -177,11 +213,29 @@ double Median(std::vector<float> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype, int d, bool causal,
-                     int n, Row& row) {
+// The fused engine with `kernel` pinned (and the TMA kernel's block_n), any other as created.
+struct EngineChoice {
+  EngineKind kind;
+  cuda::FusedKernel kernel = cuda::FusedKernel::kAuto;
+  int block_n = 0;
+
+  std::string Name() const {
+    std::string name = std::string(EngineKindName(kind)).substr(5);
+    if (kind != EngineKind::kCudaFused || (kernel == cuda::FusedKernel::kAuto && block_n == 0)) {
+      return name;
+    }
+    absl::StrAppend(&name, "_", KernelNameOf(kernel));
+    if (block_n != 0) absl::StrAppend(&name, "_n", block_n);
+    return name;
+  }
+};
+
+absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, DType dtype, int d,
+                     bool causal, int n, Row& row) {
+  const EngineKind kind = choice.kind;
   const int heads = f.head_width / d;
   const int batch = static_cast<int>(f.tokens / n);
-  row = Row{std::string(EngineKindName(kind)).substr(5), dtype, d, causal, n, batch, heads};
+  row = Row{choice.Name(), dtype, d, causal, n, batch, heads};
   const AttentionProblem p = DenseProblem(dtype, batch, n, n, heads, heads, d, causal);
   const double flops =
       4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0) * (f.backward ? 2.5 : 1.0);
@@ -189,7 +243,12 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, EngineKind kind, DType dtype,
   const int64_t used_before = DeviceUsedBytes();
   EngineOptions options;
   options.workspace_limit_bytes = static_cast<int64_t>(f.workspace_limit_gb * (1ll << 30));
-  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, CreateEngine(kind, options));
+  std::unique_ptr<Engine> engine;
+  if (kind == EngineKind::kCudaFused) {
+    ATTN_ASSIGN_OR_RETURN(engine, MakeCudaFusedEngine(options, choice.kernel, {}, choice.block_n));
+  } else {
+    ATTN_ASSIGN_OR_RETURN(engine, CreateEngine(kind, options));
+  }
   if (const Support s = f.backward ? engine->SupportsBackward(p) : engine->SupportsForward(p);
       !s.ok()) {
     row.status = s.status().ToString();
@@ -298,12 +357,12 @@ void Print(const Flags& f, const Row& r) {
         r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats,
         static_cast<long long>(r.workspace_bytes), JsonEscape(r.status).c_str());
   } else if (r.status == "ok") {
-    std::printf("%-6s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f\n", r.engine.c_str(),
+    std::printf("%-22s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f\n", r.engine.c_str(),
                 ShortDType(r.dtype), r.d, r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.ms,
                 r.tflops, r.workspace_bytes / 1048576.0);
   } else {
-    std::printf("%-6s %-5s %4d %-6s %6d %6d %6d   %s\n", r.engine.c_str(), ShortDType(r.dtype), r.d,
-                r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.status.c_str());
+    std::printf("%-22s %-5s %4d %-6s %6d %6d %6d   %s\n", r.engine.c_str(), ShortDType(r.dtype),
+                r.d, r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.status.c_str());
   }
   std::fflush(stdout);
 }
@@ -340,7 +399,7 @@ absl::Status Run(const Flags& f) {
     std::printf("# %s, %d SMs, L2 %d MB; %d input sets of %.0f MB; median of CUDA-event times\n",
                 prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, sets,
                 set_bytes / 1048576.0);
-    std::printf("%-6s %-5s %4s %-6s %6s %6s %6s %10s %9s %12s\n", "engine", "dtype", "d", "causal",
+    std::printf("%-22s %-5s %4s %-6s %6s %6s %6s %10s %9s %12s\n", "engine", "dtype", "d", "causal",
                 "N", "batch", "heads", "ms", "TFLOP/s", "workspaceMB");
   }
   uint64_t seed = 1;
@@ -362,9 +421,23 @@ absl::Status Run(const Flags& f) {
                 absl::StrCat("N=", n, " must divide --tokens and d=", d, " --head_width"));
           }
           for (EngineKind kind : f.engines) {
-            Row row;
-            ATTN_RETURN_IF_ERROR(TimeOne(f, buf, kind, dtype, d, causal != 0, n, row));
-            Print(f, row);
+            std::vector<EngineChoice> choices{{kind}};
+            if (kind == EngineKind::kCudaFused) {
+              choices.clear();
+              for (cuda::FusedKernel kernel : f.kernels) {
+                // A tile width pins the TMA kernel's shape only.
+                if (kernel != cuda::FusedKernel::kSm90Tma) {
+                  choices.push_back({kind, kernel, 0});
+                  continue;
+                }
+                for (int block_n : f.block_ns) choices.push_back({kind, kernel, block_n});
+              }
+            }
+            for (const EngineChoice& choice : choices) {
+              Row row;
+              ATTN_RETURN_IF_ERROR(TimeOne(f, buf, choice, dtype, d, causal != 0, n, row));
+              Print(f, row);
+            }
           }
         }
       }

@@ -26,6 +26,10 @@ struct FusedArch {
   static constexpr uint8_t kSm80 = 1 << 0;
   // Warpgroup MMA (wgmma) as well: Hopper only, used where the build holds sm_90a code.
   static constexpr uint8_t kSm90a = 1 << 1;
+  // The warp-specialised Hopper kernel too (TMA loads, a producer warp, consumer warpgroups in
+  // ping-pong): sm_90a as well. Which Hopper kernel a call runs by default is the heuristics'
+  // choice per head_dim and mask (cuda/fused/heuristics.h).
+  static constexpr uint8_t kSm90aTma = 1 << 2;
 };
 
 // One compiled (pass, dtype, head_dim) of the fused kernels.

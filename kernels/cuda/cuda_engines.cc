@@ -67,6 +67,7 @@ void SetAttentionParams(const AttentionProblem& p, const TensorRef& q, const Ten
   params.o_token_stride = o_view.token_stride;
   params.o_head_stride = o_view.head_stride;
   params.total_q = p.total_q();
+  params.total_k = p.total_k();
   if (cu_seqlens == nullptr) {
     params.seqlen_q = p.seqlen_q(0);
     params.seqlen_k = p.seqlen_k(0);
@@ -98,8 +99,13 @@ absl::StatusOr<cuda::PagedDevice> QueryPagedDevice(int device) {
 class CudaFusedEngine final : public Engine {
  public:
   CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel,
-                  const cuda::PagedOverrides& paged, const cuda::PagedDevice& device)
-      : options_(options), kernel_(kernel), paged_(paged), device_(device) {}
+                  const cuda::PagedOverrides& paged, const cuda::PagedDevice& device,
+                  int forward_block_n)
+      : options_(options),
+        kernel_(kernel),
+        forward_block_n_(forward_block_n),
+        paged_(paged),
+        device_(device) {}
 
   EngineKind kind() const override { return EngineKind::kCudaFused; }
   MemorySpace memory_space() const override { return MemorySpace::kDevice; }
@@ -167,6 +173,7 @@ class CudaFusedEngine final : public Engine {
       SetAttentionParams(p, args.q, args.k, args.v, args.o.data, args.o, args.lse, cu_seqlens,
                          params);
       params.kernel = kernel_;
+      params.block_n = forward_block_n_;
       return cuda::LaunchFusedForward(params, stream);
     };
     if (p.is_uniform()) return launch(nullptr);
@@ -243,6 +250,7 @@ class CudaFusedEngine final : public Engine {
 
   EngineOptions options_;
   cuda::FusedKernel kernel_;
+  int forward_block_n_;
   cuda::PagedOverrides paged_;
   cuda::PagedDevice device_;
   cuda::WorkspacePool pool_;
@@ -254,10 +262,12 @@ class CudaFusedEngine final : public Engine {
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options,
                                                             cuda::FusedKernel kernel,
-                                                            const cuda::PagedOverrides& paged) {
+                                                            const cuda::PagedOverrides& paged,
+                                                            int forward_block_n) {
   ATTN_RETURN_IF_ERROR(cuda::CheckDevice("cuda_fused", options.device));
   ATTN_ASSIGN_OR_RETURN(const cuda::PagedDevice device, QueryPagedDevice(options.device));
-  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options, kernel, paged, device));
+  return std::unique_ptr<Engine>(
+      std::make_unique<CudaFusedEngine>(options, kernel, paged, device, forward_block_n));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options) {

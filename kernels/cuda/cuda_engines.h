@@ -12,12 +12,14 @@
 
 namespace attn {
 
-// `kernel` = kPortable pins the mma.sync kernel (tests and benchmarks on Hopper); `paged`
-// forces the paged forward's kernel or split count instead of its heuristics (tests, and
-// benchmarks that measure the heuristics).
+// `kernel` pins one forward kernel (tests and benchmarks: kPortable, the mma.sync kernel, on
+// Hopper too; kSm90Lockstep or kSm90Tma); `paged` forces the paged forward's kernel or split
+// count instead of its heuristics (tests, and benchmarks that measure the heuristics);
+// `forward_block_n` runs the TMA kernel at one of its compiled tile widths
+// (FusedForwardParams::block_n).
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(
     const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto,
-    const cuda::PagedOverrides& paged = {});
+    const cuda::PagedOverrides& paged = {}, int forward_block_n = 0);
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options);
 
 // EngineAvailable and EngineSupports for kCudaFused and kCudaNaive.

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attn/engine.h"
@@ -15,8 +16,10 @@
 #include "common/sweep.h"
 #include "cuda/common/alignment.h"
 #include "cuda/cuda_engines.h"
+#include "cuda/fused/capabilities.h"
 #include "cuda/fused/fused_forward.h"
 #include "cuda/fused/fused_support.h"
+#include "cuda/fused/heuristics.h"
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
 
@@ -39,7 +42,10 @@ class CudaSweepTest : public ::testing::TestWithParam<SweepCase> {
   }
 
   // Runs `engine` on t (on a stream of its own) and checks O and the LSE against the reference.
-  void RunAndCheck(Engine& engine, const AttentionProblem& p, AttentionTensors& t) {
+  // With `unavailable`, an UNIMPLEMENTED answer (a pinned kernel this device or build cannot
+  // run) is stored there instead of failing, and nothing is checked.
+  void RunAndCheck(Engine& engine, const AttentionProblem& p, AttentionTensors& t,
+                   absl::Status* unavailable = nullptr) {
     auto ref = RunReference(p, t, /*backward=*/false);
     ASSERT_TRUE(ref.ok()) << ref.status();
     t.PoisonOutputs();
@@ -50,6 +56,10 @@ class CudaSweepTest : public ::testing::TestWithParam<SweepCase> {
     const absl::Status run = engine.Forward(p, device->args(stream));
     const absl::Status download = device->Download(t);
     cudaStreamDestroy(stream);
+    if (unavailable != nullptr && absl::IsUnimplemented(run)) {
+      *unavailable = run;
+      return;
+    }
     ASSERT_TRUE(run.ok()) << run;
     ASSERT_TRUE(download.ok()) << download;
 
@@ -211,6 +221,84 @@ TEST_P(CudaSweepTest, AutoChoiceMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, CudaSweepTest, ::testing::ValuesIn(StandardSweep()),
+                         [](const ::testing::TestParamInfo<SweepCase>& info) {
+                           return info.param.name;
+                         });
+
+// The Hopper kernels pinned one at a time (FusedKernel), the warp-specialised one at both of its
+// compiled tile shapes: on the standard sweep, and on problems long enough to wrap its stage
+// rings many times, with tails at every tile width, causal and window skips, GQA and
+// variable-length batches. Skips off Hopper (the launch answers UNIMPLEMENTED).
+class CudaHopperKernelTest : public CudaSweepTest {
+ protected:
+  void RunPinned(cuda::FusedKernel kernel, int block_n) {
+    const SweepCase& c = GetParam();
+    const AttentionProblem& p = c.problem;
+    if (!cuda::HasFusedKernel(Pass::kForward, p.dtype, p.head_dim, cuda::kSm90a)) {
+      GTEST_SKIP() << "no Hopper kernel for this dtype and head_dim";
+    }
+    auto fused = MakeCudaFusedEngine(EngineOptions{}, kernel, {}, block_n);
+    ASSERT_TRUE(fused.ok()) << fused.status();
+    AttentionTensors t = AttentionTensors::Make(p, seed_, /*padded=*/false);
+    absl::Status unavailable;
+    RunAndCheck(**fused, p, t, &unavailable);
+    if (!unavailable.ok()) GTEST_SKIP() << unavailable;
+  }
+};
+
+TEST_P(CudaHopperKernelTest, LockstepMatchesReference) {
+  SCOPED_TRACE(trace_);
+  RunPinned(cuda::FusedKernel::kSm90Lockstep, 0);
+}
+
+TEST_P(CudaHopperKernelTest, TmaFullTileShapeMatchesReference) {
+  SCOPED_TRACE(trace_);
+  RunPinned(cuda::FusedKernel::kSm90Tma,
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/false).block_n);
+}
+
+TEST_P(CudaHopperKernelTest, TmaMaskedTileShapeMatchesReference) {
+  SCOPED_TRACE(trace_);
+  RunPinned(cuda::FusedKernel::kSm90Tma,
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true).block_n);
+}
+
+std::vector<SweepCase> HopperSweep() {
+  constexpr DType f16 = DType::kF16, bf16 = DType::kBF16;
+  std::vector<SweepCase> s = StandardSweep();
+  const auto dense = [](std::string name, DType t, int batch, int64_t lq, int64_t lk, int hq,
+                        int hk, int d, bool causal) {
+    return SweepCase{std::move(name), DenseProblem(t, batch, lq, lk, hq, hk, d, causal)};
+  };
+  s.push_back(
+      dense("long_q1013_k2011_bf16_d128_gqa2_batch2", bf16, 2, 1013, 2011, 2, 1, 128, false));
+  s.push_back(dense("long_len2011_causal_f16_d128", f16, 1, 2011, 2011, 2, 2, 128, true));
+  s.push_back(dense("long_len2500_bf16_d64", bf16, 1, 2500, 2500, 2, 2, 64, false));
+  s.push_back(dense("long_len1013_causal_f16_d64_gqa4", f16, 1, 1013, 1013, 4, 1, 64, true));
+  s.push_back(dense("long_q700_k300_causal_bf16_d64", bf16, 1, 700, 300, 2, 2, 64, true));
+  s.push_back(dense("long_q256_k1024_causal_bf16_d128", bf16, 2, 256, 1024, 2, 2, 128, true));
+  {
+    SweepCase c = dense("long_window300_0_bf16_d64", bf16, 1, 1500, 1500, 2, 2, 64, false);
+    c.problem.window_left = 300;
+    c.problem.window_right = 0;
+    s.push_back(c);
+  }
+  {
+    SweepCase c = dense("long_window200_100_f16_d128", f16, 1, 1200, 1300, 2, 1, 128, false);
+    c.problem.window_left = 200;
+    c.problem.window_right = 100;
+    s.push_back(c);
+  }
+  s.push_back({"long_varlen_f16_d64_gqa2",
+               VarlenProblem(f16, {1, 300, 129, 1000}, {700, 5, 129, 1500}, 4, 2, 64, false)});
+  s.push_back({"long_varlen_causal_bf16_d128",
+               VarlenProblem(bf16, {128, 77, 513, 0}, {256, 900, 513, 10}, 2, 1, 128, true)});
+  s.push_back({"long_varlen_bf16_d128_gqa4",
+               VarlenProblem(bf16, {1200, 3, 400}, {1700, 353, 1}, 4, 1, 128, false)});
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, CudaHopperKernelTest, ::testing::ValuesIn(HopperSweep()),
                          [](const ::testing::TestParamInfo<SweepCase>& info) {
                            return info.param.name;
                          });

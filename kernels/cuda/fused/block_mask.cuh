@@ -3,6 +3,8 @@
 // Rows are monotone in both window edges, so the block's first and last rows bound the rest.
 #pragma once
 
+#include <cmath>
+
 #include "cuda/fused/fused_forward.h"
 #include "cuda/fused/sequence.cuh"
 
@@ -47,6 +49,25 @@ struct BlockMask {
   __device__ __forceinline__ RowKeys Row(int pos) const {
     return {window_left < 0 ? 0 : pos - window_left,
             window_right < 0 ? seqlen_k : min(seqlen_k, pos + window_right + 1)};
+  }
+
+  // Sets to -inf the scores a thread holds in MMA accumulator layout (kNTiles 8-key column
+  // tiles from key0; rows at key positions row_pos and row_pos + 8, keys quad_col * 2 and + 1
+  // of each column tile) that their rows cannot see.
+  template <int kNTiles>
+  __device__ __forceinline__ void Apply(float (&s)[kNTiles][4], int key0, int row_pos,
+                                        int quad_col) const {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const RowKeys keys = Row(row_pos + half * 8);
+#pragma unroll
+      for (int nj = 0; nj < kNTiles; ++nj)
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          const int key = key0 + nj * 8 + quad_col * 2 + (e & 1);
+          if (key < keys.begin || key >= keys.end) s[nj][e] = -INFINITY;
+        }
+    }
   }
 };
 

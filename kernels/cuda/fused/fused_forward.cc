@@ -56,6 +56,11 @@ absl::Status LaunchFusedForward(const FusedForwardParams& p, void* stream) {
   const cudaError_t err = DispatchFusedKernel<Pass::kForward>(
       p.dtype, p.head_dim, cudaErrorInvalidValue,
       [&]<DType kDType, int kHeadDim>() { return RunFusedForward<kDType, kHeadDim>(p, s); });
+  if (err == cudaErrorNotSupported) {
+    return absl::UnimplementedError(
+        "cuda_fused: the pinned kernel (FusedForwardParams::kernel, block_n) cannot run on this "
+        "device, build or problem");
+  }
   if (err != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cuda_fused: kernel launch failed: ", cudaGetErrorString(err)));

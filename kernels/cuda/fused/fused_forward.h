@@ -9,10 +9,13 @@
 
 namespace attn::cuda {
 
-// Which implementation runs: the Hopper (wgmma) kernel where the device and the build allow it,
-// or always the portable (mma.sync) kernel, which tests and benchmarks select to cover it on
-// Hopper too.
-enum class FusedKernel : uint8_t { kAuto, kPortable };
+// Which implementation runs. kAuto: on Hopper (when the build holds sm_90a code) the Hopper
+// kernel heuristics.h names for the problem's head_dim and mask, elsewhere the portable
+// (mma.sync) kernel. The others pin one kernel, for tests and benchmarks: kPortable runs
+// everywhere; kSm90Lockstep (fused_forward_sm90_kernel.cuh) and kSm90Tma (the warp-specialised
+// fused_forward_sm90_tma_kernel.cuh) only on Hopper, and the launch answers UNIMPLEMENTED where
+// the pinned kernel cannot run. The paged forward tells only kPortable from the rest.
+enum class FusedKernel : uint8_t { kAuto, kPortable, kSm90Lockstep, kSm90Tma };
 
 // Plain kernel parameters: device pointers, strides in elements, sizes. The backward's params
 // extend these (fused_backward.h): both passes read Q, K, V and O this way and walk the same
@@ -28,6 +31,7 @@ struct FusedForwardParams {
   int64_t v_token_stride = 0, v_head_stride = 0;
   int64_t o_token_stride = 0, o_head_stride = 0;
   int64_t total_q = 0;  // LSE row stride
+  int64_t total_k = 0;  // key tokens of all sequences (the TMA kernel's tensor bounds)
   // Device arrays of batch + 1 prefix sums. Both null for a uniform (dense) batch, in which
   // case sequence b starts at b * seqlen_q / b * seqlen_k.
   const int32_t* cu_seqlens_q = nullptr;
@@ -44,6 +48,9 @@ struct FusedForwardParams {
   int window_right = -1;  // effective: causal already folded in (0)
   DType dtype = DType::kBF16;
   FusedKernel kernel = FusedKernel::kAuto;
+  // kSm90Tma: keys per K/V tile, 0 for the heuristic's; otherwise one of the two shapes
+  // compiled for the head_dim (heuristics.h, Sm90TmaFusedTileShape), for benchmarks.
+  int block_n = 0;
 };
 
 // Which problems it covers: FusedSupports(Pass::kForward, p) in fused_support.h.

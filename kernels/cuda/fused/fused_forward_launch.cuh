@@ -1,9 +1,11 @@
-// Grid and launch of one fused-forward instantiation, and the choice between the Hopper (wgmma)
-// kernel and the portable (mma.sync) one. Included by the generated instantiation files.
+// Grid and launch of one fused-forward instantiation, and the choice among the Hopper kernels
+// (warp-specialised TMA, lockstep wgmma) and the portable (mma.sync) one. Included by the
+// generated instantiation files.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "cuda/common/element_convert.cuh"
@@ -12,7 +14,9 @@
 #include "cuda/fused/fused_forward_kernel.cuh"
 #include "cuda/fused/fused_forward_launch.h"
 #include "cuda/fused/fused_forward_sm90_kernel.cuh"
+#include "cuda/fused/fused_forward_sm90_tma_kernel.cuh"
 #include "cuda/fused/heuristics.h"
+#include "cuda/fused/tensor_map.h"
 
 namespace attn::cuda {
 
@@ -25,11 +29,11 @@ cudaError_t LaunchQueryBlocks(void (*kernel)(FusedForwardParams), const FusedFor
   return LaunchWithSharedMemory(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
-// True when the current device runs sm_90a machine code of this kernel: a Hopper GPU and a
-// build that included the sm_90a target (otherwise the kernel body is compiled out).
-// Remembered per device ordinal.
-template <typename Traits>
-bool Sm90KernelUsable() {
+// True when the current device runs sm_90a machine code of `kKernel`: a Hopper GPU and a build
+// that included the sm_90a target (otherwise the kernel body is compiled out). Remembered per
+// device ordinal.
+template <auto kKernel>
+bool Sm90aKernelUsable() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int8_t> usable[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
   int device = 0;
@@ -40,8 +44,7 @@ bool Sm90KernelUsable() {
     int major = 0;
     const bool yes =
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-        major == 9 &&
-        cudaFuncGetAttributes(&attributes, &FusedForwardSm90Kernel<Traits>) == cudaSuccess &&
+        major == 9 && cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
         attributes.binaryVersion == 90;
     known = yes ? 1 : -1;
     usable[device].store(known, std::memory_order_relaxed);
@@ -49,16 +52,102 @@ bool Sm90KernelUsable() {
   return known == 1;
 }
 
+// The warp-specialised kernel with Traits' shape: the tensor maps of Q, K and V, then the same
+// grid as the other kernels. cudaErrorNotSupported when it cannot run here (no sm_90a code for
+// this device, no tensor-map encoder, tensors the copy engine cannot address).
+template <typename Traits>
+cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t stream) {
+  constexpr auto kKernel = &FusedForwardSm90TmaKernel<Traits>;
+  if (!Sm90aKernelUsable<kKernel>()) return cudaErrorNotSupported;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  // Tile coordinates are 32-bit: a variable-length batch addresses tokens by them. Its key
+  // bounds come from total_k, which callers that predate this kernel leave 0.
+  if (varlen &&
+      (p.total_q >= (int64_t{1} << 31) || p.total_k >= (int64_t{1} << 31) || p.total_k <= 0)) {
+    return cudaErrorNotSupported;
+  }
+  const auto view = [&](const void* data, int64_t seqlen, int64_t total, int heads,
+                        int64_t token_stride, int64_t head_stride) {
+    TokenTensorView v;
+    v.data = data;
+    v.dtype = p.dtype;
+    v.head_dim = Traits::kHeadDim;
+    // A map needs one row at least; a problem without keys never reads it.
+    v.rows = std::max<int64_t>(1, varlen ? total : seqlen);
+    v.heads = heads;
+    v.sequences = varlen ? 1 : p.batch;
+    v.token_stride = token_stride;
+    v.head_stride = head_stride;
+    v.sequence_stride = seqlen * token_stride;
+    return v;
+  };
+  FusedForwardTmaParams params;
+  params.p = p;
+  cudaError_t err = EncodeTokenTensorMap(
+      view(p.q, p.seqlen_q, p.total_q, p.num_heads, p.q_token_stride, p.q_head_stride),
+      Traits::kBlockM, &params.q_map);
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(
+        view(p.k, p.seqlen_k, p.total_k, p.num_kv_heads, p.k_token_stride, p.k_head_stride),
+        Traits::kBlockN, &params.k_map);
+  }
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(
+        view(p.v, p.seqlen_k, p.total_k, p.num_kv_heads, p.v_token_stride, p.v_head_stride),
+        Traits::kBlockN, &params.v_map);
+  }
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.num_heads, p.batch);
+  return LaunchWithSharedMemory(kKernel, grid, Traits::kThreads, Traits::kSmemBytes, stream,
+                                params);
+}
+
+// The warp-specialised kernel at the shape heuristics.h gives the mask, or at params.block_n
+// when set (either of the row's two compiled shapes).
+template <typename Element, int kHeadDim>
+cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked,
+                                   cudaStream_t stream) {
+  constexpr Sm90TmaTileShape kFull = Sm90TmaFusedTileShape(kHeadDim, /*masked=*/false);
+  constexpr Sm90TmaTileShape kMasked = Sm90TmaFusedTileShape(kHeadDim, /*masked=*/true);
+  using FullTraits = FusedForwardSm90TmaTraits<Element, kHeadDim, kFull.block_n, kFull.stages>;
+  using MaskedTraits =
+      FusedForwardSm90TmaTraits<Element, kHeadDim, kMasked.block_n, kMasked.stages>;
+  const int block_n = params.block_n != 0 ? params.block_n
+                      : masked            ? kMasked.block_n
+                                          : kFull.block_n;
+  if (block_n == kMasked.block_n) return LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream);
+  if (block_n == kFull.block_n) return LaunchFusedForwardSm90Tma<FullTraits>(params, stream);
+  return cudaErrorNotSupported;
+}
+
 template <DType kDType, int kHeadDim>
 cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
+  const FusedKernel pinned = params.kernel;
+  if constexpr (HasFusedKernel(Pass::kForward, kDType, kHeadDim, kSm90aTma)) {
+    const bool masked = params.window_left >= 0 || params.window_right >= 0;
+    const int64_t mean_keys = params.cu_seqlens_k == nullptr
+                                  ? params.seqlen_k
+                                  : params.total_k / std::max(params.batch, 1);
+    if (pinned == FusedKernel::kSm90Tma ||
+        (pinned == FusedKernel::kAuto && Sm90TmaIsDefault(kHeadDim, mean_keys))) {
+      const cudaError_t err = RunFusedForwardSm90Tma<Element, kHeadDim>(params, masked, stream);
+      // kAuto falls back to the next kernel where this one cannot run.
+      if (err != cudaErrorNotSupported || pinned == FusedKernel::kSm90Tma) return err;
+    }
+  }
   if constexpr (HasFusedKernel(Pass::kForward, kDType, kHeadDim, kSm90a)) {
     constexpr Sm90TileShape kShape = Sm90FusedTileShape(kHeadDim);
     using Sm90Traits =
         FusedForwardSm90Traits<Element, kHeadDim, kShape.block_n, kShape.ctas_per_sm>;
-    if (params.kernel == FusedKernel::kAuto && Sm90KernelUsable<Sm90Traits>()) {
-      return LaunchQueryBlocks<Sm90Traits>(&FusedForwardSm90Kernel<Sm90Traits>, params, stream);
+    constexpr auto kKernel = &FusedForwardSm90Kernel<Sm90Traits>;
+    if ((pinned == FusedKernel::kAuto || pinned == FusedKernel::kSm90Lockstep) &&
+        Sm90aKernelUsable<kKernel>()) {
+      return LaunchQueryBlocks<Sm90Traits>(kKernel, params, stream);
     }
+  }
+  if (pinned == FusedKernel::kSm90Lockstep || pinned == FusedKernel::kSm90Tma) {
+    return cudaErrorNotSupported;
   }
   using Traits = FusedForwardTraits<Element, kHeadDim>;
   return LaunchQueryBlocks<Traits>(&FusedForwardKernel<Traits>, params, stream);

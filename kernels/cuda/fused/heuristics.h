@@ -36,6 +36,38 @@ constexpr Sm90TileShape Sm90FusedTileShape(int head_dim) {
   return head_dim <= 64 ? Sm90TileShape{128, 2} : Sm90TileShape{128, 1};
 }
 
+// The warp-specialised Hopper kernel (fused_forward_sm90_tma_kernel.cuh): one producer warp
+// feeding K/V stages by TMA, two consumer warpgroups of 64 query rows each (kBlockM = 128).
+// Every (dtype, head_dim) row of the table compiles two shapes, one for full tiles and one for
+// masked problems (causal or a window), and a benchmark may run either on any problem
+// (FusedForwardParams::block_n).
+struct Sm90TmaTileShape {
+  int block_n;  // keys per K/V tile
+  int stages;   // K and V tiles in flight each
+};
+
+// Starting points from FlashAttention-3's choices on the H100 (128 x 176 at d 128, 128 x 128
+// when causal; 192 x 192 at d 64, where this kernel keeps 128 query rows) within the 227 KiB of
+// shared memory: d 128 x 176 keys x 2 stages of K and V take 176 KiB beside Q's 32.
+constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
+  if (head_dim <= 64) return masked ? Sm90TmaTileShape{128, 3} : Sm90TmaTileShape{192, 3};
+  return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
+}
+
+// Registers a thread of each role keeps after setmaxnreg: the producer needs few, and the two
+// consumer warpgroups take the rest of the SM's 64K (128 x 24 + 256 x 240 = 64512).
+inline constexpr int kSm90TmaProducerRegisters = 24;
+inline constexpr int kSm90TmaConsumerRegisters = 240;
+
+// Whether the default (FusedKernel::kAuto) on Hopper is the warp-specialised kernel rather than
+// the lockstep one, by head_dim and the mean keys per sequence: where it measured faster
+// (docs/cuda-fused.md, "The warp-specialised Hopper kernel"). At head_dim 128 it is 1.4-1.6x the
+// lockstep kernel from 1024 keys on; at 64 it wins from 4096 keys (1.04-1.10x) and loses at
+// 1024 (0.85-0.97x), where its 128-row CTAs leave SMs idle.
+constexpr bool Sm90TmaIsDefault(int head_dim, int64_t mean_keys) {
+  return head_dim == 128 || (head_dim == 64 && mean_keys >= 4096);
+}
+
 // ---- Paged K/V (paged_forward.h) ----
 
 // The decode kernel (paged_decode_kernel.cuh) serves calls whose query rows per (sequence, KV

@@ -76,6 +76,52 @@ struct OnlineSoftmax {
       }
     }
   }
+
+  // Update in two halves, for a kernel whose P V MMA of the previous tile still accumulates
+  // into acc while this tile's softmax runs: the statistics (P in place of s, m and l, and each
+  // row's alpha), then, once that MMA is done, Rescale(acc, alpha).
+  __device__ __forceinline__ void UpdateStatistics(float (&s)[kMTiles][kNTiles][4],
+                                                   float scale_log2, float (&alpha)[kRows]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mi * 2 + half;
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int nj = 0; nj < kNTiles; ++nj) {
+          tile_max = fmaxf(tile_max, fmaxf(s[mi][nj][2 * half], s[mi][nj][2 * half + 1]));
+        }
+        const float m_new = fmaxf(m[r], QuadMax(tile_max));
+        const float m_ref = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // as in Update
+        alpha[r] = ptx::Exp2(m[r] * scale_log2 - m_ref);
+        m[r] = m_new;
+        float row_sum = 0.f;
+#pragma unroll
+        for (int nj = 0; nj < kNTiles; ++nj) {
+          const float p0 = ptx::Exp2(fmaf(s[mi][nj][2 * half], scale_log2, -m_ref));
+          const float p1 = ptx::Exp2(fmaf(s[mi][nj][2 * half + 1], scale_log2, -m_ref));
+          s[mi][nj][2 * half] = p0;
+          s[mi][nj][2 * half + 1] = p1;
+          row_sum += p0 + p1;
+        }
+        l[r] = l[r] * alpha[r] + row_sum;
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void Rescale(float (&acc)[kMTiles][kDTiles][4],
+                                                 const float (&alpha)[kRows]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int dj = 0; dj < kDTiles; ++dj) {
+        acc[mi][dj][0] *= alpha[mi * 2];
+        acc[mi][dj][1] *= alpha[mi * 2];
+        acc[mi][dj][2] *= alpha[mi * 2 + 1];
+        acc[mi][dj][3] *= alpha[mi * 2 + 1];
+      }
+  }
 };
 
 }  // namespace attn::cuda

@@ -1,0 +1,60 @@
+#include "cuda/fused/tensor_map.h"
+
+#include <cudaTypedefs.h>
+
+namespace attn::cuda {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 Encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encoder;
+}
+
+bool ValidStride(int64_t bytes) { return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t{1} << 40); }
+
+}  // namespace
+
+cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = Encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  constexpr int64_t kElementBytes = 2;
+  // A single sequence never steps by its stride; any valid value stands in.
+  const int64_t sequence_bytes =
+      (view.sequences > 1 ? view.sequence_stride : view.token_stride) * kElementBytes;
+  const int64_t token_bytes = view.token_stride * kElementBytes;
+  // One head: the head stride is never stepped either.
+  const int64_t head_bytes = (view.heads > 1 ? view.head_stride : view.token_stride) * kElementBytes;
+  if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || !ValidStride(token_bytes) ||
+      !ValidStride(head_bytes) || !ValidStride(sequence_bytes) || view.rows <= 0 ||
+      view.rows > (int64_t{1} << 31) - 1 || view.head_dim % 64 != 0 || box_rows <= 0 ||
+      box_rows > 256) {
+    return cudaErrorNotSupported;
+  }
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(view.head_dim),
+                              static_cast<cuuint64_t>(view.rows),
+                              static_cast<cuuint64_t>(view.heads),
+                              static_cast<cuuint64_t>(view.sequences)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(token_bytes),
+                                 static_cast<cuuint64_t>(head_bytes),
+                                 static_cast<cuuint64_t>(sequence_bytes)};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = view.dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult result =
+      encode(map, type, 4, const_cast<void*>(view.data), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+}
+
+}  // namespace attn::cuda

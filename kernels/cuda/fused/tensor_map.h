@@ -1,0 +1,37 @@
+// Tensor maps (the copy engine's descriptors of a global tensor and its tile) for the fused
+// kernels' [tokens, heads, head_dim] tensors, made on the host. The encoder is the driver's
+// cuTensorMapEncodeTiled, reached through the runtime, so nothing links libcuda directly.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap: a type only; no driver call is linked
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "attn/dtype.h"
+
+namespace attn::cuda {
+
+// A [tokens, heads, head_dim] tensor of 16-bit elements seen in four dimensions, innermost
+// first: (head_dim, rows, heads, sequences). A uniform batch is `sequences` blocks of `rows`
+// tokens `sequence_stride` elements apart, so that the rows past a sequence's end read as
+// zeros; a variable-length batch is one sequence of all its tokens.
+struct TokenTensorView {
+  const void* data = nullptr;
+  DType dtype = DType::kBF16;
+  int head_dim = 0;
+  int64_t rows = 0;
+  int heads = 0;
+  int sequences = 1;
+  int64_t token_stride = 0;     // elements
+  int64_t head_stride = 0;      // elements
+  int64_t sequence_stride = 0;  // elements; read only when sequences > 1
+};
+
+// Encodes the map of `view` with boxes of 64 columns (128 bytes, the 128-byte swizzle's span)
+// by `box_rows` rows of one head of one sequence, stored 128-byte swizzled; elements outside the
+// tensor arrive as zeros. cudaErrorNotSupported when the driver has no encoder or the view
+// breaks the copy engine's rules (addresses and strides in whole 16 bytes, sizes up to 2^32).
+cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map);
+
+}  // namespace attn::cuda
