@@ -55,9 +55,9 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kBlockM = 64 * kConsumerWarpGroups;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // the producer warpgroup first
-  static constexpr int kNTiles = kBlockN / 8;               // 8-key column tiles of S
-  static constexpr int kDTiles = kHeadDim / 8;              // 8-column tiles of O
-  static constexpr int kColumnBlocks = kHeadDim / 64;       // 128-byte column blocks of a row
+  static constexpr int kNTiles = kBlockN / 8;              // 8-key column tiles of S
+  static constexpr int kDTiles = kHeadDim / 8;             // 8-column tiles of O
+  static constexpr int kColumnBlocks = kHeadDim / 64;      // 128-byte column blocks of a row
   static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
   // Q (also the O epilogue's staging), the K stages, the V stages, each tile and column block
@@ -120,8 +120,8 @@ __device__ __forceinline__ uint32_t ParityOf(int it) {
 }
 
 template <int kBlockN, typename Element>
-__device__ __forceinline__ void ScoreMma(float (&s)[kBlockN / 2], uint64_t desc_q,
-                                         uint64_t desc_k, int accumulate, Element tag) {
+__device__ __forceinline__ void ScoreMma(float (&s)[kBlockN / 2], uint64_t desc_q, uint64_t desc_k,
+                                         int accumulate, Element tag) {
   if constexpr (kBlockN == 64) {
     wgmma::MmaSS_64(s, desc_q, desc_k, accumulate, tag);
   } else if constexpr (kBlockN == 128) {
@@ -329,7 +329,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // S of tile `it` (landed in s) to P, with the mask where the tile needs one.
   const auto scores_to_probabilities = [&](int it) {
     const int key0 = (n_block_last - it) * kBlockN;
-    if (mask.TileNeedsMask(key0)) mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
+    if (mask.TileNeedsMask(key0))
+      mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
     softmax.UpdateStatistics(s, scale_log2, alpha);
   };
 

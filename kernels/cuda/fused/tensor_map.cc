@@ -19,7 +19,9 @@ PFN_cuTensorMapEncodeTiled_v12000 Encoder() {
   return encoder;
 }
 
-bool ValidStride(int64_t bytes) { return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t{1} << 40); }
+bool ValidStride(int64_t bytes) {
+  return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t{1} << 40);
+}
 
 }  // namespace
 
@@ -32,17 +34,17 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
       (view.sequences > 1 ? view.sequence_stride : view.token_stride) * kElementBytes;
   const int64_t token_bytes = view.token_stride * kElementBytes;
   // One head: the head stride is never stepped either.
-  const int64_t head_bytes = (view.heads > 1 ? view.head_stride : view.token_stride) * kElementBytes;
+  const int64_t head_bytes =
+      (view.heads > 1 ? view.head_stride : view.token_stride) * kElementBytes;
   if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || !ValidStride(token_bytes) ||
       !ValidStride(head_bytes) || !ValidStride(sequence_bytes) || view.rows <= 0 ||
       view.rows > (int64_t{1} << 31) - 1 || view.head_dim % 64 != 0 || box_rows <= 0 ||
       box_rows > 256) {
     return cudaErrorNotSupported;
   }
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(view.head_dim),
-                              static_cast<cuuint64_t>(view.rows),
-                              static_cast<cuuint64_t>(view.heads),
-                              static_cast<cuuint64_t>(view.sequences)};
+  const cuuint64_t dims[4] = {
+      static_cast<cuuint64_t>(view.head_dim), static_cast<cuuint64_t>(view.rows),
+      static_cast<cuuint64_t>(view.heads), static_cast<cuuint64_t>(view.sequences)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(token_bytes),
                                  static_cast<cuuint64_t>(head_bytes),
                                  static_cast<cuuint64_t>(sequence_bytes)};
