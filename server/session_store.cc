@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -249,18 +250,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionStore::Create(const Identity& ow
         "num_kv_heads: one token of ", spec.num_kv_heads, " KV heads x head_dim ", spec.head_dim,
         " does not fit in a page of ", options_.page_bytes, " bytes (--kv_page_bytes)"));
   }
-  // The least loaded device takes it.
-  int slot = 0;
-  int64_t best_free = -1;
-  for (size_t i = 0; i < pools_.size(); ++i) {
-    const int64_t free = pools_[i]->free_pages() * pools_[i]->page_bytes();
-    if (free > best_free) {
-      best_free = free;
-      slot = static_cast<int>(i);
-    }
-  }
-  auto session = std::make_shared<Session>(NewSessionId(), owner, spec, page_tokens, slot,
-                                           pools_[static_cast<size_t>(slot)]);
+  std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
     int& count = per_owner_[owner];
@@ -268,6 +258,24 @@ absl::StatusOr<std::shared_ptr<Session>> SessionStore::Create(const Identity& ow
       return absl::ResourceExhaustedError(absl::StrCat("session: this identity holds ", count,
                                                        " sessions, its limit; delete some"));
     }
+    // The least loaded device takes it: the most free KV bytes, then the fewest sessions, since
+    // sessions created before their first append hold no pages and would otherwise all land on
+    // the first device. Chosen under the lock, so that concurrent creations see each other.
+    std::vector<int> held(pools_.size(), 0);
+    for (const auto& [id, held_session] : sessions_) {
+      ++held[static_cast<size_t>(held_session->device_slot())];
+    }
+    size_t slot = 0;
+    int64_t best_free = -1;
+    for (size_t i = 0; i < pools_.size(); ++i) {
+      const int64_t free = pools_[i]->free_pages() * pools_[i]->page_bytes();
+      if (free > best_free || (free == best_free && held[i] < held[slot])) {
+        best_free = free;
+        slot = i;
+      }
+    }
+    session = std::make_shared<Session>(NewSessionId(), owner, spec, page_tokens,
+                                        static_cast<int>(slot), pools_[slot]);
     ++count;
     sessions_[session->id()] = session;
   }

@@ -511,6 +511,10 @@ TEST(Sessions, SpreadOverDevicesAndDrainOnSigterm) {
     sessions.push_back({s, h});
   }
   EXPECT_EQ(devices, (std::set<std::string>{"cpu:0", "cpu:1"}));
+  // Sessions created before any of them is filled hold no pages yet: they alternate too.
+  std::map<std::string, int> empty_per_device;
+  for (int i = 0; i < 6; ++i) ++empty_per_device[c.Create(1, 32, v1::DTYPE_FLOAT32).device()];
+  EXPECT_EQ(empty_per_device, (std::map<std::string, int>{{"cpu:0", 3}, {"cpu:1", 3}}));
   for (const auto& [s, h] : sessions) {
     const v1::AttendRequest step = client::SessionStep(
         s.session_id(), Rows(v1::DTYPE_FLOAT32, 2, 2, 32, rng), nullptr, nullptr, true, true);
