@@ -15,7 +15,8 @@ import attnserve
 
 def test_recall_job_learns_and_returns_numpy_weights(client):
     job = client.train(task="associative_recall", steps=150, name="pytest recall")
-    assert job.submitted.state == "queued", job.submitted.error
+    # A free worker may take the job before the answer to its submission is written.
+    assert job.submitted.state in ("queued", "running"), job.submitted.error
     seen = list(job.watch())
     assert seen[-1].state == "succeeded"
     assert seen[-1].step == 150
