@@ -138,6 +138,12 @@ int main(int argc, char** argv) {
   layers::Buffer x = Take(ops->Allocate(tokens * d * 2), "x");
   HostBatch dense;
   RowBatch rows;
+  // The batch path Step had before: the dense inputs uploaded as float32, converted on the device.
+  const auto upload_dense = [&] {
+    Check(ops->Upload(x32.data(), dense.inputs.data(), tokens * d * 4), "upload");
+    Check(ops->Convert(x32.data(), attn::DType::kF32, x.data(), attn::DType::kBF16, tokens * d),
+          "convert");
+  };
 
   std::map<std::string, std::vector<double>> times;
   bool rows_match_dense = false;
@@ -150,11 +156,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < steps + 3; ++i) {
     const int64_t step = i + 1;
     timed("host_fill_dense", [&] { task.Fill(step, &dense); });
-    timed("upload_dense", [&] {
-      Check(ops->Upload(x32.data(), dense.inputs.data(), tokens * d * 4), "upload");
-      Check(ops->Convert(x32.data(), attn::DType::kF32, x.data(), attn::DType::kBF16, tokens * d),
-            "convert");
-    });
+    timed("upload_dense", upload_dense);
     timed("host_fill_rows", [&] { task.FillRows(step, &rows); });
     timed("upload_rows", [&] {
       Check(ops->Upload(ids_dev.data(), rows.row_ids.data(), tokens * kRowsPerToken * 4), "ids");
@@ -168,9 +170,7 @@ int main(int argc, char** argv) {
       // checks the same off the GPU): compare the two inputs of the first step.
       std::vector<uint16_t> from_rows(tokens * d), from_dense(tokens * d);
       Check(ops->Download(from_rows.data(), x.data(), tokens * d * 2), "download");
-      Check(ops->Upload(x32.data(), dense.inputs.data(), tokens * d * 4), "upload");
-      Check(ops->Convert(x32.data(), attn::DType::kF32, x.data(), attn::DType::kBF16, tokens * d),
-            "convert");
+      upload_dense();
       Check(ops->Download(from_dense.data(), x.data(), tokens * d * 2), "download");
       rows_match_dense = from_rows == from_dense && rows.labels == dense.labels;
     }
@@ -243,9 +243,7 @@ int main(int argc, char** argv) {
   Check(ops->Upload(layer->weights(), w0.data(), w0.size() * 4), "weights");
   const auto old_step = [&](int64_t step) {
     task.Fill(step, &dense);
-    Check(ops->Upload(x32.data(), dense.inputs.data(), tokens * d * 4), "upload");
-    Check(ops->Convert(x32.data(), attn::DType::kF32, x.data(), attn::DType::kBF16, tokens * d),
-          "convert");
+    upload_dense();
     Check(objective->SetLabels(dense.labels.data()), "labels");
     Check(layer->Forward(x.data()), "forward");
     Check(objective->Evaluate(layer->output(), 1.f).status(), "loss");

@@ -259,8 +259,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int n_block_last = mask.n_block_max - 1;
   const int num_tiles = mask.n_block_max - mask.n_block_min;
 
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t q_tile = ptx::SharedAddress(smem);
+  // Named as in the other Hopper kernels: one name for the 1024-byte-aligned dynamic tile
+  // in a translation unit, where the portable kernel declares its own, 128-byte-aligned.
+  extern __shared__ __align__(1024) unsigned char swizzled_smem[];
+  const uint32_t q_tile = ptx::SharedAddress(swizzled_smem);
   const uint32_t k_tiles = q_tile + Traits::kKOffset;
   const uint32_t v_tiles = q_tile + Traits::kVOffset;
   const Barriers<Traits> bars{q_tile + Traits::kBarrierOffset};
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int dj = 0; dj < kDTiles; ++dj) {
       const int col = dj * 8 + quad_col * 2;
-      *reinterpret_cast<uint32_t*>(smem + wgmma::SwizzledByteOffset(row, col, kBlockM)) =
+      *reinterpret_cast<uint32_t*>(swizzled_smem + wgmma::SwizzledByteOffset(row, col, kBlockM)) =
           ptx::PackPair<Element>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
     }
     if (lse != nullptr && quad_col == 0 && row < rows_in_block) {
@@ -417,8 +419,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int row = consumer * 64 + c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 8;
     if (row < rows_in_block) {
-      *reinterpret_cast<uint4*>(o + row * p.o_token_stride + col) =
-          *reinterpret_cast<const uint4*>(smem + wgmma::SwizzledByteOffset(row, col, kBlockM));
+      *reinterpret_cast<uint4*>(o + row * p.o_token_stride + col) = *reinterpret_cast<const uint4*>(
+          swizzled_smem + wgmma::SwizzledByteOffset(row, col, kBlockM));
     }
   }
 #endif  // ATTN_WGMMA_AVAILABLE
