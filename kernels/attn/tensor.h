@@ -50,6 +50,9 @@ struct BackwardArgs {
   MutableTensorRef dk;         // same shape as k (summed over the query heads of each KV head)
   MutableTensorRef dv;         // same shape as v
   void* stream = nullptr;
+  // Bit-identical dQ, dK and dV from run to run (engines whose backward reduces partial sums in
+  // an order that varies add them in a fixed order instead, at some cost in speed).
+  bool deterministic = false;
 };
 
 // Checks one view: non-null when the tensor has elements, positive strides that keep rows of

@@ -156,6 +156,8 @@ class CudaFusedEngine final : public Engine {
     params.dv_token_stride = args.dv.token_stride;
     params.dv_head_stride = args.dv.head_stride;
     params.max_seqlen_k = p.max_seqlen_k();
+    params.kernel = kernel_;
+    params.deterministic = args.deterministic;
     params.workspace = lease.data();
     return cuda::LaunchFusedBackward(params, stream);
   }

@@ -18,7 +18,9 @@
 namespace attn::cuda {
 
 // The forward's params (Q, K, V, O and the LSE, now inputs; the sequences, heads, scale and
-// mask) and what only the backward reads or writes. max_seqlen_q and kernel are unused.
+// mask) and what only the backward reads or writes. max_seqlen_q is unused; kernel pins
+// the backward kernel as it does the forward's (kSm90Lockstep has no backward and answers as
+// kSm90Tma does).
 struct FusedBackwardParams : FusedForwardParams {
   const void* d_o = nullptr;
   void* dq = nullptr;
@@ -29,6 +31,8 @@ struct FusedBackwardParams : FusedForwardParams {
   int64_t dk_token_stride = 0, dk_head_stride = 0;
   int64_t dv_token_stride = 0, dv_head_stride = 0;
   int64_t max_seqlen_k = 0;  // sizes the grid
+  // dQ's partial sums (one per key block) added in key-block order: bit-identical gradients.
+  bool deterministic = false;
   // Workspace (device, FusedBackwardWorkspaceBytes): D (padded to 16 bytes), then the dQ
   // accumulator.
   void* workspace = nullptr;
