@@ -12,7 +12,9 @@
 // --block_n the TMA kernel's tile width (0: the heuristic's); a pinned row's engine is named
 // fused_<kernel>[_n<block_n>], so that bench/sdpa_anchor.py's `fused` column stays kAuto.
 // --pass=bwd times Engine::Backward (dQ, dK, dV from Q, K, V, O, dO and the LSE of a fused
-// forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two).
+// forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two);
+// with --deterministic=1 it asks for deterministic mode (BackwardArgs::deterministic) and names
+// the engine <engine>_det.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -50,6 +52,7 @@ struct Flags {
   int head_width = 2048;
   double workspace_limit_gb = 8;
   bool backward = false;
+  bool deterministic = false;
   bool json = false;
 };
 
@@ -163,6 +166,11 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
         return absl::InvalidArgumentError("--pass must be fwd or bwd");
       }
       f.backward = value == "bwd";
+    } else if (name == "deterministic") {
+      if (value != "0" && value != "1") {
+        return absl::InvalidArgumentError("--deterministic must be 0 or 1");
+      }
+      f.deterministic = value == "1";
     } else if (name == "workspace_limit_gb") {
       ATTN_ASSIGN_OR_RETURN(f.workspace_limit_gb, ParseDouble(value));
     } else {
@@ -236,6 +244,7 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, D
   const int heads = f.head_width / d;
   const int batch = static_cast<int>(f.tokens / n);
   row = Row{choice.Name(), dtype, d, causal, n, batch, heads};
+  if (f.backward && f.deterministic) row.engine += "_det";
   const AttentionProblem p = DenseProblem(dtype, batch, n, n, heads, heads, d, causal);
   const double flops =
       4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0) * (f.backward ? 2.5 : 1.0);
@@ -283,6 +292,7 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, D
     backward.dk = Packed<void*>(buf.dk.get(), heads, d);
     backward.dv = Packed<void*>(buf.dv.get(), heads, d);
     backward.stream = stream;
+    backward.deterministic = f.deterministic;
   }
   const auto call = [&](size_t set) {
     return f.backward ? engine->Backward(p, backward) : engine->Forward(p, args(set));

@@ -75,8 +75,12 @@ class CudaSweepTest : public ::testing::TestWithParam<SweepCase> {
   }
 
   // Runs `engine`'s backward on fresh inputs (O and the LSE from a forward pass in the
-  // problem's dtype) and checks dQ, dK, dV against the reference, every element written.
-  void RunBackwardAndCheck(Engine& engine, const SweepCase& c);
+  // problem's dtype) and checks dQ, dK, dV against the reference, every element written. With
+  // `deterministic`, asks for deterministic mode; `gradients`, when given, receives the bytes
+  // of dQ, dK and dV; `unavailable` as for RunAndCheck.
+  void RunBackwardAndCheck(Engine& engine, const SweepCase& c, bool deterministic = false,
+                           std::vector<std::string>* gradients = nullptr,
+                           absl::Status* unavailable = nullptr);
 
   uint64_t seed_ = 0;
   std::string trace_;
@@ -116,7 +120,22 @@ TEST_P(CudaSweepTest, FusedBackwardMatchesReference) {
   RunBackwardAndCheck(*fused, c);
 }
 
-void CudaSweepTest::RunBackwardAndCheck(Engine& engine, const SweepCase& c) {
+// On Hopper the engine above runs the Hopper backward for head_dim 64/128; this covers the
+// portable kernel on the same problems.
+TEST_P(CudaSweepTest, FusedPortableBackwardMatchesReference) {
+  SCOPED_TRACE(trace_);
+  const SweepCase& c = GetParam();
+  if (const Support supported = cuda::FusedSupports(Pass::kBackward, c.problem); !supported.ok()) {
+    GTEST_SKIP() << "fused backward does not cover this problem: " << supported;
+  }
+  auto fused = MakeCudaFusedEngine(EngineOptions{}, cuda::FusedKernel::kPortable);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  RunBackwardAndCheck(**fused, c);
+}
+
+void CudaSweepTest::RunBackwardAndCheck(Engine& engine, const SweepCase& c, bool deterministic,
+                                        std::vector<std::string>* gradients,
+                                        absl::Status* unavailable) {
   const AttentionProblem& p = c.problem;
   AttentionTensors t = AttentionTensors::Make(p, seed_, c.padded);
   auto ref = RunReference(p, t, /*backward=*/true);
@@ -130,12 +149,21 @@ void CudaSweepTest::RunBackwardAndCheck(Engine& engine, const SweepCase& c) {
   t.dv.Poison();
   auto device = DeviceBackward::Upload(t);
   ASSERT_TRUE(device.ok()) << device.status();
-  const absl::Status run = engine.Backward(p, device->args());
+  BackwardArgs args = device->args();
+  args.deterministic = deterministic;
+  const absl::Status run = engine.Backward(p, args);
+  if (unavailable != nullptr && absl::IsUnimplemented(run)) {
+    *unavailable = run;
+    return;
+  }
   ASSERT_TRUE(run.ok()) << run;
   ASSERT_TRUE(device->Download(t).ok());
   for (const HostTensor* g : {&t.dq, &t.dk, &t.dv}) {
     EXPECT_EQ(g->CountPoisoned(), 0) << "gradient elements never written";
     EXPECT_EQ(g->CountPaddingWritten(), 0) << "gradient padding overwritten";
+    if (gradients != nullptr) {
+      gradients->emplace_back(static_cast<const char*>(g->data()), g->size_bytes());
+    }
   }
   NaiveBackwardResult plain;
   if (p.dtype != DType::kF32) plain = NaiveBackward(p, t.q, t.k, t.v, t.d_o);
@@ -299,6 +327,69 @@ std::vector<SweepCase> HopperSweep() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, CudaHopperKernelTest, ::testing::ValuesIn(HopperSweep()),
+                         [](const ::testing::TestParamInfo<SweepCase>& info) {
+                           return info.param.name;
+                         });
+
+// The Hopper backward pinned (FusedKernel::kSm90Tma) on the Hopper sweep, and its deterministic
+// mode: correct, and the same bytes from two runs on the same inputs. Skips off Hopper.
+class CudaHopperBackwardTest : public CudaSweepTest {
+ protected:
+  // Whether the table has a Hopper backward for the problem.
+  bool Covered() const {
+    const AttentionProblem& p = GetParam().problem;
+    return cuda::HasFusedKernel(Pass::kBackward, p.dtype, p.head_dim, cuda::kSm90aTma);
+  }
+  std::unique_ptr<Engine> PinnedEngine() {
+    auto fused = MakeCudaFusedEngine(EngineOptions{}, cuda::FusedKernel::kSm90Tma);
+    EXPECT_TRUE(fused.ok()) << fused.status();
+    return fused.ok() ? std::move(*fused) : nullptr;
+  }
+};
+
+TEST_P(CudaHopperBackwardTest, MatchesReference) {
+  SCOPED_TRACE(trace_);
+  if (!Covered()) GTEST_SKIP() << "no Hopper backward for this dtype and head_dim";
+  std::unique_ptr<Engine> engine = PinnedEngine();
+  if (engine == nullptr) return;
+  absl::Status unavailable;
+  RunBackwardAndCheck(*engine, GetParam(), /*deterministic=*/false, nullptr, &unavailable);
+  if (!unavailable.ok()) GTEST_SKIP() << unavailable;
+}
+
+TEST_P(CudaHopperBackwardTest, DeterministicModeRepeatsItsBytes) {
+  SCOPED_TRACE(trace_);
+  if (!Covered()) GTEST_SKIP() << "no Hopper backward for this dtype and head_dim";
+  std::unique_ptr<Engine> engine = PinnedEngine();
+  if (engine == nullptr) return;
+  std::vector<std::string> first, second;
+  absl::Status unavailable;
+  RunBackwardAndCheck(*engine, GetParam(), /*deterministic=*/true, &first, &unavailable);
+  if (!unavailable.ok()) GTEST_SKIP() << unavailable;
+  RunBackwardAndCheck(*engine, GetParam(), /*deterministic=*/true, &second);
+  ASSERT_EQ(first.size(), 3u);
+  ASSERT_EQ(second.size(), 3u);
+  const char* names[] = {"dQ", "dK", "dV"};
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(first[i] == second[i]) << names[i] << " differs";
+}
+
+// The portable kernel adds dQ with atomics: asked for deterministic mode, it refuses.
+TEST(CudaBackwardDeterminism, PortableKernelRefusesDeterministicMode) {
+  ATTN_SKIP_WITHOUT_CUDA();
+  const AttentionProblem p = DenseProblem(DType::kBF16, 1, 64, 64, 2, 2, 64, false);
+  AttentionTensors t = AttentionTensors::Make(p, FreshSeed(), /*padded=*/false);
+  auto device = DeviceBackward::Upload(t);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto fused = MakeCudaFusedEngine(EngineOptions{}, cuda::FusedKernel::kPortable);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  BackwardArgs args = device->args();
+  args.deterministic = true;
+  const absl::Status run = (*fused)->Backward(p, args);
+  EXPECT_TRUE(absl::IsUnimplemented(run)) << run;
+  EXPECT_NE(run.message().find("deterministic"), std::string::npos) << run;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, CudaHopperBackwardTest, ::testing::ValuesIn(HopperSweep()),
                          [](const ::testing::TestParamInfo<SweepCase>& info) {
                            return info.param.name;
                          });

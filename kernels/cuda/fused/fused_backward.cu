@@ -14,6 +14,7 @@
 #include "cuda/fused/capabilities.h"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/fused_backward_launch.h"
+#include "cuda/fused/heuristics.h"
 
 namespace attn::cuda {
 namespace {
@@ -54,8 +55,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The workspace holds D, padded to 16 bytes so that the dQ accumulator after it takes vector
-// atomics, then the accumulator.
+// atomics and bulk reductions, then the accumulator, then the deterministic mode's counters.
 int64_t DeltaFloats(int64_t rows) { return (rows + 3) / 4 * 4; }
+
+int64_t QueryTiles(int64_t max_seqlen_q) {
+  return (max_seqlen_q + kSm90BackwardBlockM - 1) / kSm90BackwardBlockM;
+}
 
 bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
   return RowsAligned16(data, token_stride, head_stride, /*element_bytes=*/2);
@@ -64,14 +69,25 @@ bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
 template <DType kDType, int kHeadDim>
 cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
+  const int64_t rows = p.total_q * p.num_heads;
+  const int64_t accum_elems = rows * kHeadDim;
+  FusedBackwardWorkspace work;
   float* delta = static_cast<float*>(p.workspace);
-  float* dq_accum = delta + DeltaFloats(p.num_heads * p.total_q);
-  const int64_t accum_elems = p.total_q * p.num_heads * kHeadDim;
-  if (cudaError_t e = cudaMemsetAsync(dq_accum, 0, accum_elems * sizeof(float), stream);
+  work.delta = delta;
+  work.dq_accum = delta + DeltaFloats(rows);
+  work.dq_tile_counters = reinterpret_cast<int*>(work.dq_accum + accum_elems);
+  work.query_tiles = QueryTiles(p.max_seqlen_q);
+  if (cudaError_t e = cudaMemsetAsync(work.dq_accum, 0, accum_elems * sizeof(float), stream);
       e != cudaSuccess) {
     return e;
   }
-  const int64_t rows = p.total_q * p.num_heads;
+  if (p.deterministic) {
+    const int64_t counters = int64_t{p.batch} * p.num_heads * work.query_tiles;
+    if (cudaError_t e = cudaMemsetAsync(work.dq_tile_counters, 0, counters * sizeof(int), stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   if (rows > 0) {
     RowDotKernel<T>
         <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p, delta);
@@ -83,7 +99,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
                               Aligned16(p.d_o, p.do_token_stride, p.do_head_stride);
   const bool aligned_outputs = Aligned16(p.dk, p.dk_token_stride, p.dk_head_stride) &&
                                Aligned16(p.dv, p.dv_token_stride, p.dv_head_stride);
-  if (cudaError_t e = RunFusedBackwardKernel<kDType, kHeadDim>(p, delta, dq_accum, aligned_inputs,
+  if (cudaError_t e = RunFusedBackwardKernel<kDType, kHeadDim>(p, work, aligned_inputs,
                                                                aligned_outputs, stream);
       e != cudaSuccess) {
     return e;
@@ -91,7 +107,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
   if (accum_elems > 0) {
     StoreDqKernel<T>
         <<<static_cast<unsigned>((accum_elems + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            p, dq_accum);
+            p, work.dq_accum);
   }
   return cudaGetLastError();
 }
@@ -100,7 +116,9 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
 
 int64_t FusedBackwardWorkspaceBytes(const AttentionProblem& p) {
   const int64_t rows = p.total_q() * p.num_heads;
-  return (DeltaFloats(rows) + rows * p.head_dim) * static_cast<int64_t>(sizeof(float));
+  const int64_t counters = int64_t{p.batch()} * p.num_heads * QueryTiles(p.max_seqlen_q());
+  return (DeltaFloats(rows) + rows * p.head_dim) * static_cast<int64_t>(sizeof(float)) +
+         counters * static_cast<int64_t>(sizeof(int));
 }
 
 absl::Status LaunchFusedBackward(const FusedBackwardParams& p, void* stream) {
@@ -112,6 +130,15 @@ absl::Status LaunchFusedBackward(const FusedBackwardParams& p, void* stream) {
   const cudaError_t err = DispatchFusedKernel<Pass::kBackward>(
       p.dtype, p.head_dim, cudaErrorInvalidValue,
       [&]<DType kDType, int kHeadDim>() { return RunBackward<kDType, kHeadDim>(p, s); });
+  if (err == cudaErrorNotSupported) {
+    return absl::UnimplementedError(
+        p.deterministic
+            ? "cuda_fused: a deterministic backward needs the Hopper (sm_90a) kernel, which "
+              "cannot run on this device, build or problem; the portable kernel adds dQ with "
+              "atomics"
+            : "cuda_fused: the pinned backward kernel (FusedBackwardParams::kernel) cannot run "
+              "on this device, build or problem");
+  }
   if (err != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cuda_fused: backward launch failed: ", cudaGetErrorString(err)));

@@ -3,10 +3,13 @@
 // shared memory for P and dS), so that no N x N matrix reaches device memory. Host-only header.
 //
 // Three launches on one stream: D = rowsum(dO * O) per query row; the main kernel, one CTA per
-// (64-key block, KV head, sequence), which keeps its block of K and V in shared memory, walks
-// the query tiles of every query head of its group that can see the block, accumulates dK and
-// dV in registers and adds each tile's dQ into a float32 accumulator with atomics; then dQ is
-// rounded into its tensor. Intermediate memory: D and the dQ accumulator, O(N * heads * d).
+// (key block, KV head, sequence), which keeps its block of K and V in shared memory, walks the
+// query tiles of every query head of its group that can see the block, accumulates dK and dV in
+// registers and adds each tile's dQ into a float32 accumulator; then dQ is rounded into its
+// tensor. The main kernel is the Hopper one on sm_90a (fused_backward_sm90_kernel.cuh: 128-key
+// blocks, TMA, wgmma, dQ by bulk reductions, optionally in a fixed order) or the portable one
+// (fused_backward_kernel.cuh: 64-key blocks, mma.sync, dQ by atomics). Intermediate memory: D,
+// the dQ accumulator and a counter per query tile, O(N * heads * d).
 #pragma once
 
 #include <cstdint>
@@ -18,9 +21,9 @@
 namespace attn::cuda {
 
 // The forward's params (Q, K, V, O and the LSE, now inputs; the sequences, heads, scale and
-// mask) and what only the backward reads or writes. max_seqlen_q is unused; kernel pins
-// the backward kernel as it does the forward's (kSm90Lockstep has no backward and answers as
-// kSm90Tma does).
+// mask) and what only the backward reads or writes. max_seqlen_q sizes the deterministic
+// mode's counters; kernel pins the backward kernel as it does the forward's (kPortable, or
+// kSm90Tma for the Hopper kernel; kSm90Lockstep has no backward and answers as kSm90Tma does).
 struct FusedBackwardParams : FusedForwardParams {
   const void* d_o = nullptr;
   void* dq = nullptr;

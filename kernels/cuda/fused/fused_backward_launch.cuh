@@ -1,27 +1,108 @@
-// Grid and launch of one instantiation of the fused backward's main kernel. Included by the
-// generated instantiation files.
+// Grid and launch of one instantiation of the fused backward's main kernel, and the choice
+// between the Hopper kernel (fused_backward_sm90_kernel.cuh) and the portable one
+// (fused_backward_kernel.cuh). Included by the generated instantiation files.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "cuda/common/element_convert.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/fused/capabilities.h"
 #include "cuda/fused/fused_backward_kernel.cuh"
 #include "cuda/fused/fused_backward_launch.h"
+#include "cuda/fused/fused_backward_sm90_kernel.cuh"
+#include "cuda/fused/sm90a_usable.cuh"
+#include "cuda/fused/tensor_map.h"
 
 namespace attn::cuda {
 
+// The Hopper kernel: tensor maps of Q, dO (64-row boxes) and K, V (128-row boxes), then one CTA
+// per (128-key block, KV head, sequence). cudaErrorNotSupported when it cannot run here (no
+// sm_90a code for this device, no tensor-map encoder, tensors the copy engine cannot address).
+template <typename Traits>
+cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
+                                    const FusedBackwardWorkspace& work, bool aligned_outputs,
+                                    cudaStream_t stream) {
+  constexpr auto kKernel = &FusedBackwardSm90Kernel<Traits>;
+  if (!Sm90aKernelUsable<kKernel>()) return cudaErrorNotSupported;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  // Tile coordinates are 32-bit, and a variable-length batch addresses tokens by them.
+  if (p.total_q >= (int64_t{1} << 31) || p.total_k >= (int64_t{1} << 31) ||
+      (varlen && p.total_k <= 0)) {
+    return cudaErrorNotSupported;
+  }
+  const auto view = [&](const void* data, int64_t seqlen, int64_t total, int heads,
+                        int64_t token_stride, int64_t head_stride) {
+    TokenTensorView v;
+    v.data = data;
+    v.dtype = p.dtype;
+    v.head_dim = Traits::kHeadDim;
+    v.rows = std::max<int64_t>(1, varlen ? total : seqlen);
+    v.heads = heads;
+    v.sequences = varlen ? 1 : p.batch;
+    v.token_stride = token_stride;
+    v.head_stride = head_stride;
+    v.sequence_stride = seqlen * token_stride;
+    return v;
+  };
+  FusedBackwardTmaParams params;
+  params.p = p;
+  params.delta = work.delta;
+  params.dq_accum = work.dq_accum;
+  params.dq_tile_counters = work.dq_tile_counters;
+  params.query_tiles = work.query_tiles;
+  params.aligned_outputs = aligned_outputs;
+  cudaError_t err = EncodeTokenTensorMap(
+      view(p.q, p.seqlen_q, p.total_q, p.num_heads, p.q_token_stride, p.q_head_stride),
+      Traits::kBlockM, &params.q_map);
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(
+        view(p.d_o, p.seqlen_q, p.total_q, p.num_heads, p.do_token_stride, p.do_head_stride),
+        Traits::kBlockM, &params.do_map);
+  }
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(
+        view(p.k, p.seqlen_k, p.total_k, p.num_kv_heads, p.k_token_stride, p.k_head_stride),
+        Traits::kBlockN, &params.k_map);
+  }
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(
+        view(p.v, p.seqlen_k, p.total_k, p.num_kv_heads, p.v_token_stride, p.v_head_stride),
+        Traits::kBlockN, &params.v_map);
+  }
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN),
+                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
+  return LaunchWithSharedMemory(kKernel, grid, Traits::kThreads, Traits::kSmemBytes, stream,
+                                params);
+}
+
 template <DType kDType, int kHeadDim>
-cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params, const float* delta,
-                                   float* dq_accum, bool aligned_inputs, bool aligned_outputs,
-                                   cudaStream_t stream) {
+cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
+                                   const FusedBackwardWorkspace& work, bool aligned_inputs,
+                                   bool aligned_outputs, cudaStream_t stream) {
   using T = typename ElementOf<kDType>::type;
+  const FusedKernel pinned = params.kernel;
+  if constexpr (HasFusedKernel(Pass::kBackward, kDType, kHeadDim, kSm90aTma)) {
+    if (pinned != FusedKernel::kPortable && aligned_inputs) {
+      const cudaError_t err = LaunchFusedBackwardSm90<FusedBackwardSm90Traits<T, kHeadDim>>(
+          params, work, aligned_outputs, stream);
+      // kAuto falls back to the portable kernel where this one cannot run.
+      if (err != cudaErrorNotSupported || pinned != FusedKernel::kAuto) return err;
+    }
+  }
+  if (pinned == FusedKernel::kSm90Lockstep || pinned == FusedKernel::kSm90Tma ||
+      params.deterministic) {
+    return cudaErrorNotSupported;
+  }
   using backward::kBlockK;
   const dim3 grid(static_cast<unsigned>((params.max_seqlen_k + kBlockK - 1) / kBlockK),
                   static_cast<unsigned>(params.num_kv_heads), static_cast<unsigned>(params.batch));
   return LaunchWithSharedMemory(&backward::BackwardKernel<T, kHeadDim>, grid, backward::kThreads,
-                                sizeof(backward::SharedTiles<T, kHeadDim>), stream, params, delta,
-                                dq_accum, aligned_inputs, aligned_outputs);
+                                sizeof(backward::SharedTiles<T, kHeadDim>), stream, params,
+                                work.delta, work.dq_accum, aligned_inputs, aligned_outputs);
 }
 
 }  // namespace attn::cuda

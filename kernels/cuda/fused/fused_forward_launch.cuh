@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "cuda/common/element_convert.cuh"
 #include "cuda/common/launch.cuh"
@@ -16,6 +15,7 @@
 #include "cuda/fused/fused_forward_sm90_kernel.cuh"
 #include "cuda/fused/fused_forward_sm90_tma_kernel.cuh"
 #include "cuda/fused/heuristics.h"
+#include "cuda/fused/sm90a_usable.cuh"
 #include "cuda/fused/tensor_map.h"
 
 namespace attn::cuda {
@@ -27,29 +27,6 @@ cudaError_t LaunchQueryBlocks(void (*kernel)(FusedForwardParams), const FusedFor
   const dim3 grid((params.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.num_heads,
                   params.batch);
   return LaunchWithSharedMemory(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, params);
-}
-
-// True when the current device runs sm_90a machine code of `kKernel`: a Hopper GPU and a build
-// that included the sm_90a target (otherwise the kernel body is compiled out). Remembered per
-// device ordinal.
-template <auto kKernel>
-bool Sm90aKernelUsable() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int8_t> usable[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  int8_t known = usable[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    cudaFuncAttributes attributes{};
-    int major = 0;
-    const bool yes =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-        major == 9 && cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
-        attributes.binaryVersion == 90;
-    known = yes ? 1 : -1;
-    usable[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 1;
 }
 
 // The warp-specialised kernel with Traits' shape: the tensor maps of Q, K and V, then the same

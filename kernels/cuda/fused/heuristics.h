@@ -141,4 +141,11 @@ constexpr int PagedKvPageTokens(int head_dim) {
   return stage > 128 ? stage : 128;
 }
 
+// ---- The Hopper backward (fused_backward_sm90_kernel.cuh) ----
+
+// Query rows per tile: its dQ workspace counts tiles of this many rows (deterministic mode).
+// 128 keys a CTA, 64 per consumer warpgroup, so that the products' accumulators (dK, dV: 128
+// registers a thread at head_dim 128; S^T, dP^T: 64; dQ: 32) fit the 240 each consumer gets.
+inline constexpr int kSm90BackwardBlockM = 64;
+
 }  // namespace attn::cuda

@@ -36,6 +36,13 @@ __device__ __forceinline__ void ArriveExpectBytes(uint32_t bar, uint32_t bytes) 
                 : "memory");
 }
 
+// Announces `bytes` of copies completing on the current phase without arriving: the arrival
+// comes later, once the thread's own shared-memory writes for the phase are done.
+__device__ __forceinline__ void ExpectBytes(uint32_t bar, uint32_t bytes) {
+  ATTN_SM90_ASM("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                : "memory");
+}
+
 __device__ __forceinline__ void Arrive(uint32_t bar) {
   ATTN_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
@@ -70,6 +77,42 @@ __device__ __forceinline__ void Load4d(uint32_t dst, const void* map, uint32_t b
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+}
+
+// ---- Bulk reductions: shared memory added into global memory by the copy engine, float32
+// element by element (not atomic as a whole, each element added atomically). Groups are per
+// thread: Commit closes the thread's copies issued since its last Commit.
+
+// global[dst .. dst + bytes) += shared[src .. src + bytes); 16-byte aligned, bytes % 16 == 0.
+__device__ __forceinline__ void ReduceAddF32(float* dst, uint32_t src, uint32_t bytes) {
+  ATTN_SM90_ASM(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+
+__device__ __forceinline__ void BulkCommit() {
+  ATTN_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Until this thread's bulk groups have read their shared-memory sources (it may be rewritten).
+__device__ __forceinline__ void BulkWaitRead() {
+  ATTN_SM90_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// Until this thread's bulk groups are complete, their writes performed.
+__device__ __forceinline__ void BulkWait() {
+  ATTN_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before its later bulk copies.
+__device__ __forceinline__ void FenceSharedForBulk() {
+  ATTN_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Orders the async proxy's completed global writes before this thread's later generic accesses.
+__device__ __forceinline__ void FenceGlobalAfterBulk() {
+  ATTN_SM90_ASM("fence.proxy.async.global;\n" ::: "memory");
 }
 
 // ---- Named barriers (ids 1-15; 0 is __syncthreads). `threads` counts every participant, those

@@ -74,6 +74,12 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+#define ATTN_WGMMA_ACC_REGS_16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define ATTN_WGMMA_ACC_OPERANDS_16(d)                                                             \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15])
 #define ATTN_WGMMA_ACC_REGS_32                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -171,6 +177,20 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));     \
   }
 
+// D[64 x N] (+)= A[64 x 16] * B[16 x N] with both operands MN-major in shared memory (A's 64
+// rows contiguous, B's N columns contiguous: the backward's dQ = dS K reads dS^T and K as stored).
+#define ATTN_DEFINE_WGMMA_SS_MN_MAJOR(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX)             \
+  __device__ __forceinline__ void MmaSSMnMajor_##N(float(&d)[NACC], uint64_t desc_a,           \
+                                                   uint64_t desc_b, int accumulate, ELEMENT) { \
+    ATTN_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG                                  \
+                   ", 0;\n"                                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX               \
+                   " " ATTN_WGMMA_ACC_REGS_##NACC ", %" #DESC_A ", %" #DESC_B                  \
+                                                  ", p, 1, 1, 1, 1;\n}\n"                      \
+                   : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                         \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                               \
+  }
+
 #ifdef ATTN_WGMMA_AVAILABLE
 #define ATTN_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
 #else
@@ -192,8 +212,14 @@ ATTN_DEFINE_WGMMA_RS(64, 32, 32, 33, 34, 35, 36, 37, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_RS(128, 64, 64, 65, 66, 67, 68, 69, __half, "f16")
 ATTN_DEFINE_WGMMA_RS(128, 64, 64, 65, 66, 67, 68, 69, __nv_bfloat16, "bf16")
 
+ATTN_DEFINE_WGMMA_SS_MN_MAJOR(32, 16, 16, 17, 18, __half, "f16")
+ATTN_DEFINE_WGMMA_SS_MN_MAJOR(32, 16, 16, 17, 18, __nv_bfloat16, "bf16")
+ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __half, "f16")
+ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __nv_bfloat16, "bf16")
+
 #undef ATTN_DEFINE_WGMMA_SS
 #undef ATTN_DEFINE_WGMMA_RS
+#undef ATTN_DEFINE_WGMMA_SS_MN_MAJOR
 #undef ATTN_WGMMA_ASM
 
 }  // namespace attn::cuda::wgmma
