@@ -256,14 +256,17 @@ INSTANTIATE_TEST_SUITE_P(Sweep, CudaSweepTest, ::testing::ValuesIn(StandardSweep
 // The Hopper kernels pinned one at a time (FusedKernel), the warp-specialised one at both of its
 // compiled tile shapes: on the standard sweep, and on problems long enough to wrap its stage
 // rings many times, with tails at every tile width, causal and window skips, GQA and
-// variable-length batches. Skips off Hopper (the launch answers UNIMPLEMENTED).
+// variable-length batches. Skips off Hopper (the launch answers UNIMPLEMENTED) and where the
+// table has no such kernel (the lockstep one at head_dim 96 and 256).
 class CudaHopperKernelTest : public CudaSweepTest {
  protected:
   void RunPinned(cuda::FusedKernel kernel, int block_n) {
     const SweepCase& c = GetParam();
     const AttentionProblem& p = c.problem;
-    if (!cuda::HasFusedKernel(Pass::kForward, p.dtype, p.head_dim, cuda::kSm90a)) {
-      GTEST_SKIP() << "no Hopper kernel for this dtype and head_dim";
+    const uint8_t arch =
+        kernel == cuda::FusedKernel::kSm90Lockstep ? cuda::kSm90a : cuda::kSm90aTma;
+    if (!cuda::HasFusedKernel(Pass::kForward, p.dtype, p.head_dim, arch)) {
+      GTEST_SKIP() << "no such Hopper kernel for this dtype and head_dim";
     }
     auto fused = MakeCudaFusedEngine(EngineOptions{}, kernel, {}, block_n);
     ASSERT_TRUE(fused.ok()) << fused.status();
@@ -323,6 +326,32 @@ std::vector<SweepCase> HopperSweep() {
                VarlenProblem(bf16, {128, 77, 513, 0}, {256, 900, 513, 10}, 2, 1, 128, true)});
   s.push_back({"long_varlen_bf16_d128_gqa4",
                VarlenProblem(bf16, {1200, 3, 400}, {1700, 353, 1}, 4, 1, 128, false)});
+  // head_dim 96: the tiles of 128 with the copy engine's zero columns. 2011 keys are 11 full
+  // tiles of 176 and a tail of 75 (15 of 128 and a tail of 91).
+  s.push_back(dense("long_q1013_k2011_bf16_d96_gqa2_batch2", bf16, 2, 1013, 2011, 2, 1, 96, false));
+  s.push_back(dense("long_len2011_causal_f16_d96", f16, 1, 2011, 2011, 2, 2, 96, true));
+  s.push_back(dense("long_q700_k300_causal_bf16_d96", bf16, 1, 700, 300, 2, 2, 96, true));
+  {
+    SweepCase c = dense("long_window300_0_f16_d96_gqa2", f16, 1, 1500, 1500, 4, 2, 96, false);
+    c.problem.window_left = 300;
+    c.problem.window_right = 0;
+    s.push_back(c);
+  }
+  s.push_back({"long_varlen_bf16_d96_gqa4",
+               VarlenProblem(bf16, {1200, 0, 3, 400}, {1700, 50, 353, 1}, 4, 1, 96, false)});
+  // head_dim 256: 2011 keys are 26 tiles of 80, 13 rounds of the 2-stage ring, the last tile a
+  // tail of 11; 1013 rows end in a query block of 117.
+  s.push_back(dense("long_q1013_k2011_f16_d256_gqa2_batch2", f16, 2, 1013, 2011, 2, 1, 256, false));
+  s.push_back(dense("long_len2011_causal_bf16_d256", bf16, 1, 2011, 2011, 2, 2, 256, true));
+  s.push_back(dense("long_q300_k1013_causal_f16_d256", f16, 2, 300, 1013, 2, 2, 256, true));
+  {
+    SweepCase c = dense("long_window200_100_bf16_d256", bf16, 1, 1200, 1300, 2, 1, 256, false);
+    c.problem.window_left = 200;
+    c.problem.window_right = 100;
+    s.push_back(c);
+  }
+  s.push_back({"long_varlen_causal_f16_d256_gqa2",
+               VarlenProblem(f16, {128, 77, 0, 513, 33}, {256, 900, 10, 513, 0}, 4, 2, 256, true)});
   return s;
 }
 

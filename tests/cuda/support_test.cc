@@ -147,11 +147,21 @@ TEST(Support, TableLookupsAgree) {
       }
     }
   }
-  // The wgmma kernel exists where the table says so, never for the backward.
+  // The wgmma kernels exist where the table says so, never for the backward: the lockstep one
+  // at head_dim 64 and 128, the warp-specialised one at 64, 96, 128 and 256.
   EXPECT_TRUE(HasFusedKernel(Pass::kForward, DType::kBF16, 64, kSm90a));
   EXPECT_TRUE(HasFusedKernel(Pass::kForward, DType::kF16, 128, kSm90a));
   EXPECT_FALSE(HasFusedKernel(Pass::kForward, DType::kBF16, 96, kSm90a));
+  EXPECT_FALSE(HasFusedKernel(Pass::kForward, DType::kF16, 256, kSm90a));
   EXPECT_FALSE(HasFusedKernel(Pass::kBackward, DType::kBF16, 64, kSm90a));
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    for (int head_dim : {64, 96, 128, 256}) {
+      EXPECT_TRUE(HasFusedKernel(Pass::kForward, t, head_dim, kSm90aTma))
+          << DTypeName(t) << " " << head_dim;
+    }
+    EXPECT_FALSE(HasFusedKernel(Pass::kForward, t, 32, kSm90aTma));
+    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 96, kSm90aTma));
+  }
 }
 
 TEST(Support, RealEnginesAnswerAsTheRegistry) {

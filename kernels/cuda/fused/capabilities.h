@@ -21,24 +21,25 @@ inline constexpr uint8_t kSm80 = FusedArch::kSm80;
 inline constexpr uint8_t kSm90a = FusedArch::kSm90a;
 inline constexpr uint8_t kSm90aTma = FusedArch::kSm90aTma;
 
-// The wgmma kernels exist for head_dim 64 and 128 (FusedForwardSm90Traits): the forward's, and
-// the paged forward's prefill (its decode kernel is mma.sync everywhere: it is bound by memory,
-// paged_forward.h). The forward's rows at 64 and 128 also hold the warp-specialised TMA kernel
-// (kSm90aTma, FusedForwardSm90TmaTraits), and the backward's the Hopper backward (kSm90aTma:
-// TMA and wgmma, FusedBackwardSm90Traits).
+// The lockstep wgmma kernels exist for head_dim 64 and 128 (FusedForwardSm90Traits): the
+// forward's, and the paged forward's prefill (its decode kernel is mma.sync everywhere: it is
+// bound by memory, paged_forward.h). The forward's rows at 64, 96, 128 and 256 hold the
+// warp-specialised TMA kernel (kSm90aTma, FusedForwardSm90TmaTraits); at 96 and 256 it is the
+// only Hopper kernel (no kSm90a). The backward's rows at 64 and 128 hold the Hopper backward
+// (kSm90aTma: TMA and wgmma, FusedBackwardSm90Traits).
 // clang-format off
 inline constexpr FusedCapability kFusedKernels[] = {
     // pass               dtype         head_dim  archs
     {Pass::kForward,      DType::kF16,  32,       kSm80},
     {Pass::kForward,      DType::kF16,  64,       kSm80 | kSm90a | kSm90aTma},
-    {Pass::kForward,      DType::kF16,  96,       kSm80},
+    {Pass::kForward,      DType::kF16,  96,       kSm80 | kSm90aTma},
     {Pass::kForward,      DType::kF16,  128,      kSm80 | kSm90a | kSm90aTma},
-    {Pass::kForward,      DType::kF16,  256,      kSm80},
+    {Pass::kForward,      DType::kF16,  256,      kSm80 | kSm90aTma},
     {Pass::kForward,      DType::kBF16, 32,       kSm80},
     {Pass::kForward,      DType::kBF16, 64,       kSm80 | kSm90a | kSm90aTma},
-    {Pass::kForward,      DType::kBF16, 96,       kSm80},
+    {Pass::kForward,      DType::kBF16, 96,       kSm80 | kSm90aTma},
     {Pass::kForward,      DType::kBF16, 128,      kSm80 | kSm90a | kSm90aTma},
-    {Pass::kForward,      DType::kBF16, 256,      kSm80},
+    {Pass::kForward,      DType::kBF16, 256,      kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kF16,  32,       kSm80},
     {Pass::kBackward,     DType::kF16,  64,       kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kF16,  96,       kSm80},

@@ -80,7 +80,7 @@ cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t 
 }
 
 // The warp-specialised kernel at the shape heuristics.h gives the mask, or at params.block_n
-// when set (either of the row's two compiled shapes).
+// when set (a shape compiled for the row: the full and the masked one, which are one at 256).
 template <typename Element, int kHeadDim>
 cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked,
                                    cudaStream_t stream) {
@@ -97,6 +97,10 @@ cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked
   return cudaErrorNotSupported;
 }
 
+// kAuto tries, in order, the kernels the row has: the warp-specialised one where
+// Sm90TmaIsDefault says so, the lockstep one, the portable one. The rows at 96 and 256 have no
+// lockstep kernel, so there kAuto falls from the first straight to the last and a pinned
+// kSm90Lockstep answers cudaErrorNotSupported.
 template <DType kDType, int kHeadDim>
 cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;

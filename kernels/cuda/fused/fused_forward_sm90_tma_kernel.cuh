@@ -55,11 +55,15 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kBlockM = 64 * kConsumerWarpGroups;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // the producer warpgroup first
+  // Tiles hold whole 128-byte column blocks of 64 elements. At head_dim 96 the second block is
+  // half used: the copy engine zero-fills columns 96..127 (past the tensor map's head_dim), Q K^T
+  // stops at column 96, and P V runs 128 wide, its last 32 accumulator columns never stored.
+  static constexpr int kColumnBlocks = (kHeadDim + 63) / 64;
+  static constexpr int kTileColumns = 64 * kColumnBlocks;  // of Q, K, V in shared memory, and acc
   static constexpr int kNTiles = kBlockN / 8;              // 8-key column tiles of S
-  static constexpr int kDTiles = kHeadDim / 8;             // 8-column tiles of O
-  static constexpr int kColumnBlocks = kHeadDim / 64;      // 128-byte column blocks of a row
-  static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kDTiles = kTileColumns / 8;         // 8-column tiles of acc
+  static constexpr int kQTileBytes = kBlockM * kTileColumns * 2;
+  static constexpr int kKVTileBytes = kBlockN * kTileColumns * 2;
   // Q (also the O epilogue's staging), the K stages, the V stages, each tile and column block
   // 1024-byte aligned as the 128-byte swizzle requires; then the mbarriers: Q's, and per stage
   // K full, K empty, V full, V empty.
@@ -67,9 +71,11 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 4 * kStages);
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma P V covers head_dim 64 and 128");
-  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192,
-                "S tiles are m64n64, n128, n176 or n192");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
+                "P V is m64n64, n128 (head_dim 96 and 128) or n256");
+  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 ||
+                    kBlockN == 192,
+                "S tiles are m64n64, n80, n128, n176 or n192");
   static_assert(kBlockN * 128 % 1024 == 0, "every column block starts 1024-byte aligned");
   static_assert(kStages >= 2, "a stage loads while another is read");
   static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per CTA");
@@ -124,6 +130,8 @@ __device__ __forceinline__ void ScoreMma(float (&s)[kBlockN / 2], uint64_t desc_
                                          int accumulate, Element tag) {
   if constexpr (kBlockN == 64) {
     wgmma::MmaSS_64(s, desc_q, desc_k, accumulate, tag);
+  } else if constexpr (kBlockN == 80) {
+    wgmma::MmaSS_80(s, desc_q, desc_k, accumulate, tag);
   } else if constexpr (kBlockN == 128) {
     wgmma::MmaSS_128(s, desc_q, desc_k, accumulate, tag);
   } else if constexpr (kBlockN == 176) {
@@ -134,7 +142,8 @@ __device__ __forceinline__ void ScoreMma(float (&s)[kBlockN / 2], uint64_t desc_
 }
 
 // Queues S = Q K^T for the warpgroup's 64 rows (q_rows) against one K stage: head_dim / 16
-// k-steps of 32 bytes inside the 128-byte swizzled rows.
+// k-steps of 32 bytes inside the 128-byte swizzled rows (at 96, none over the zero-filled
+// columns).
 template <typename Traits>
 __device__ __forceinline__ void IssueScores(float (&s)[Traits::kBlockN / 2], uint32_t q_rows,
                                             uint32_t k_tile) {
@@ -151,13 +160,15 @@ __device__ __forceinline__ void IssueScores(float (&s)[Traits::kBlockN / 2], uin
 
 // Queues acc += P V against one V stage, P from registers and V read MN-major.
 template <typename Traits>
-__device__ __forceinline__ void IssueValues(float (&acc)[Traits::kHeadDim / 2],
+__device__ __forceinline__ void IssueValues(float (&acc)[Traits::kTileColumns / 2],
                                             const uint32_t (&p)[Traits::kBlockN / 16][4],
                                             uint32_t v_tile) {
 #pragma unroll
   for (int ps = 0; ps < Traits::kBlockN / 16; ++ps) {
     const uint64_t desc_v = wgmma::MakeDescriptor(v_tile + ps * 16 * 128, Traits::kBlockN * 128);
-    if constexpr (Traits::kHeadDim == 128) {
+    if constexpr (Traits::kTileColumns == 256) {
+      wgmma::MmaRS_256(acc, p[ps], desc_v, typename Traits::Element{});
+    } else if constexpr (Traits::kTileColumns == 128) {
       wgmma::MmaRS_128(acc, p[ps], desc_v, typename Traits::Element{});
     } else {
       wgmma::MmaRS_64(acc, p[ps], desc_v, typename Traits::Element{});
@@ -319,7 +330,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int dj = 0; dj < kDTiles; ++dj)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][dj][e] = 0.f;
-  auto& acc_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc[0]);
+  auto& acc_flat = reinterpret_cast<float(&)[Traits::kTileColumns / 2]>(acc[0]);
   float s[1][kNTiles][4];
   auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
   uint32_t p_frag[kBlockN / 16][4];
@@ -392,7 +403,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // Epilogue: O = acc / l (0 for rows that saw no key), staged through the warpgroup's own rows
-  // of the Q tile (its last Q K^T is done), then 16-byte stores of the rows inside the sequence.
+  // of the Q tile (its last Q K^T is done), then 16-byte stores of the rows inside the sequence;
+  // only head_dim columns of each.
   float* lse = block.lse(p);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -400,7 +412,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const float inv_l = InverseRowSum(l);
     const int row = local_row + half * 8;
 #pragma unroll
-    for (int dj = 0; dj < kDTiles; ++dj) {
+    for (int dj = 0; dj < kHeadDim / 8; ++dj) {
       const int col = dj * 8 + quad_col * 2;
       *reinterpret_cast<uint32_t*>(swizzled_smem + wgmma::SwizzledByteOffset(row, col, kBlockM)) =
           ptx::PackPair<Element>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
@@ -413,6 +425,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Element* o = static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
                block.head * p.o_head_stride;
   constexpr int kChunksPerRow = kHeadDim / 8;
+  static_assert(64 * kChunksPerRow % 128 == 0, "each thread stores whole chunks");
 #pragma unroll
   for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
     const int c = threadIdx.x % 128 + i * 128;

@@ -49,8 +49,13 @@ struct Sm90TmaTileShape {
 // Starting points from FlashAttention-3's choices on the H100 (128 x 176 at d 128, 128 x 128
 // when causal; 192 x 192 at d 64, where this kernel keeps 128 query rows) within the 227 KiB of
 // shared memory: d 128 x 176 keys x 2 stages of K and V take 176 KiB beside Q's 32.
+// head_dim 96 runs the shapes of 128: its tiles are 128 columns wide in shared memory (the last
+// 32 zero-filled by the copy engine). head_dim 256 takes FlashAttention-3's 80 keys, masked or
+// not: 2 stages of K and V (160 KiB) beside Q's 64 fill 224 KiB, and the 128 accumulators plus
+// 40 scores and 20 packed P a thread fit the consumers' 240 registers. Neither is measured yet.
 constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
   if (head_dim <= 64) return masked ? Sm90TmaTileShape{128, 3} : Sm90TmaTileShape{192, 3};
+  if (head_dim > 128) return Sm90TmaTileShape{80, 2};
   return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
 }
 
@@ -60,12 +65,17 @@ inline constexpr int kSm90TmaProducerRegisters = 24;
 inline constexpr int kSm90TmaConsumerRegisters = 240;
 
 // Whether the default (FusedKernel::kAuto) on Hopper is the warp-specialised kernel rather than
-// the lockstep one, by head_dim and the mean keys per sequence: where it measured faster
-// (docs/cuda-fused.md, "The warp-specialised Hopper kernel"). At head_dim 128 it is 1.4-1.6x the
-// lockstep kernel from 1024 keys on; at 64 it wins from 4096 keys (1.04-1.10x) and loses at
-// 1024 (0.85-0.97x), where its 128-row CTAs leave SMs idle.
+// the next one (lockstep at 64 and 128, portable mma.sync at 96 and 256), by head_dim and the
+// mean keys per sequence: where it measured faster (docs/cuda-fused.md, "The warp-specialised
+// Hopper kernel"). At head_dim 128 it is 1.4-1.6x the lockstep kernel from 1024 keys on; at 64
+// it wins from 4096 keys (1.04-1.10x) and loses at 1024 (0.85-0.97x), where its 128-row CTAs
+// leave SMs idle. At 96 and 256, not yet measured, it is the default by reasoning: the
+// alternative is the mma.sync kernel, which at 128 ran at 0.47-0.60x the TMA kernel on the same
+// grid (284-312 against 503-634 TFLOP/s unmasked), and 96 runs the TMA kernel's shapes of 128
+// with a sixth more MMA work than it needs (its P V is 128 columns wide).
 constexpr bool Sm90TmaIsDefault(int head_dim, int64_t mean_keys) {
-  return head_dim == 128 || (head_dim == 64 && mean_keys >= 4096);
+  return head_dim == 96 || head_dim == 128 || head_dim == 256 ||
+         (head_dim == 64 && mean_keys >= 4096);
 }
 
 // ---- Paged K/V (paged_forward.h) ----

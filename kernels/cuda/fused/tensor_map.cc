@@ -38,8 +38,8 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
       (view.heads > 1 ? view.head_stride : view.token_stride) * kElementBytes;
   if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || !ValidStride(token_bytes) ||
       !ValidStride(head_bytes) || !ValidStride(sequence_bytes) || view.rows <= 0 ||
-      view.rows > (int64_t{1} << 31) - 1 || view.head_dim % 64 != 0 || box_rows <= 0 ||
-      box_rows > 256) {
+      view.rows > (int64_t{1} << 31) - 1 || view.head_dim <= 0 || view.head_dim % 8 != 0 ||
+      box_rows <= 0 || box_rows > 256) {
     return cudaErrorNotSupported;
   }
   const cuuint64_t dims[4] = {

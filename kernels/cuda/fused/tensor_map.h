@@ -30,8 +30,10 @@ struct TokenTensorView {
 
 // Encodes the map of `view` with boxes of 64 columns (128 bytes, the 128-byte swizzle's span)
 // by `box_rows` rows of one head of one sequence, stored 128-byte swizzled; elements outside the
-// tensor arrive as zeros. cudaErrorNotSupported when the driver has no encoder or the view
-// breaks the copy engine's rules (addresses and strides in whole 16 bytes, sizes up to 2^32).
+// tensor arrive as zeros, columns past a head_dim that is not a multiple of 64 (96) as well.
+// cudaErrorNotSupported when the driver has no encoder or the view breaks the copy engine's
+// rules (addresses and strides in whole 16 bytes, sizes up to 2^32) or head_dim is not a
+// multiple of 8 (whole 16-byte chunks).
 cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map);
 
 }  // namespace attn::cuda
