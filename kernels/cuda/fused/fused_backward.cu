@@ -58,8 +58,9 @@ __global__ void __launch_bounds__(kThreads)
 // atomics and bulk reductions, then the accumulator, then the deterministic mode's counters.
 int64_t DeltaFloats(int64_t rows) { return (rows + 3) / 4 * 4; }
 
-int64_t QueryTiles(int64_t max_seqlen_q) {
-  return (max_seqlen_q + kSm90BackwardBlockM - 1) / kSm90BackwardBlockM;
+int64_t QueryTiles(int64_t max_seqlen_q, int head_dim) {
+  const int rows = Sm90BackwardBlockM(head_dim);
+  return (max_seqlen_q + rows - 1) / rows;
 }
 
 bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
@@ -76,7 +77,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
   work.delta = delta;
   work.dq_accum = delta + DeltaFloats(rows);
   work.dq_tile_counters = reinterpret_cast<int*>(work.dq_accum + accum_elems);
-  work.query_tiles = QueryTiles(p.max_seqlen_q);
+  work.query_tiles = QueryTiles(p.max_seqlen_q, kHeadDim);
   if (cudaError_t e = cudaMemsetAsync(work.dq_accum, 0, accum_elems * sizeof(float), stream);
       e != cudaSuccess) {
     return e;
@@ -116,7 +117,8 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
 
 int64_t FusedBackwardWorkspaceBytes(const AttentionProblem& p) {
   const int64_t rows = p.total_q() * p.num_heads;
-  const int64_t counters = int64_t{p.batch()} * p.num_heads * QueryTiles(p.max_seqlen_q());
+  const int64_t counters =
+      int64_t{p.batch()} * p.num_heads * QueryTiles(p.max_seqlen_q(), p.head_dim);
   return (DeltaFloats(rows) + rows * p.head_dim) * static_cast<int64_t>(sizeof(float)) +
          counters * static_cast<int64_t>(sizeof(int));
 }

@@ -17,7 +17,7 @@ struct FusedBackwardWorkspace {
   const float* delta = nullptr;     // D [num_heads, total_q]
   float* dq_accum = nullptr;        // zeroed, [total_q, num_heads, head_dim]
   int* dq_tile_counters = nullptr;  // deterministic mode: zeroed, [batch, num_heads, query_tiles]
-  int64_t query_tiles = 0;          // per (sequence, head), of kSm90BackwardBlockM rows
+  int64_t query_tiles = 0;          // per (sequence, head), of Sm90BackwardBlockM rows
 };
 
 // The kernel params.kernel pins (kAuto: the Hopper kernel where it can run, else the portable

@@ -153,9 +153,17 @@ constexpr int PagedKvPageTokens(int head_dim) {
 
 // ---- The Hopper backward (fused_backward_sm90_kernel.cuh) ----
 
-// Query rows per tile: its dQ workspace counts tiles of this many rows (deterministic mode).
-// 128 keys a CTA, 64 per consumer warpgroup, so that the products' accumulators (dK, dV: 128
-// registers a thread at head_dim 128; S^T, dP^T: 64; dQ: 32) fit the 240 each consumer gets.
-inline constexpr int kSm90BackwardBlockM = 64;
+// Query rows per tile, by head_dim; the deterministic mode's counters count tiles of this many
+// rows. A CTA holds 128 keys, 64 per consumer warpgroup, whose accumulators must fit the
+// registers each consumer thread gets: dK and dV take head_dim (128 at head_dim 128), S^T and
+// dP^T rows / 2 each, dQ rows x head_dim / 512. At head_dim 64, 128 rows halve the tiles, and
+// with them the waits and barriers per product.
+constexpr int Sm90BackwardBlockM(int head_dim) { return head_dim <= 64 ? 128 : 64; }
+
+// Registers a thread of each role keeps after setmaxnreg: the producer warpgroup (the load
+// warp and the warp that adds dQ into the accumulator) and the two consumer warpgroups
+// (128 x 40 + 256 x 232 = 64512).
+inline constexpr int kSm90BackwardProducerRegisters = 40;
+inline constexpr int kSm90BackwardConsumerRegisters = 232;
 
 }  // namespace attn::cuda
