@@ -89,6 +89,7 @@ struct Flags {
   int threads = 0;
   int repeats = 5;
   std::vector<DType> dtypes = {DType::kF32, DType::kBF16};
+  bool deterministic = false;  // the backward in BackwardArgs::deterministic mode
 };
 
 double ProcessCpuSeconds() {
@@ -217,6 +218,9 @@ bool ParseFlags(int argc, char** argv, Flags& f) {
       ok = absl::SimpleAtoi(value, &f.threads);
     } else if (key == "--repeats") {
       ok = absl::SimpleAtoi(value, &f.repeats) && f.repeats > 0;
+    } else if (key == "--deterministic") {
+      f.deterministic = value.empty() || value == "true";
+      ok = value.empty() || value == "true" || value == "false";
     } else if (key == "--dtypes") {
       f.dtypes.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) {
@@ -231,7 +235,7 @@ bool ParseFlags(int argc, char** argv, Flags& f) {
       std::fprintf(stderr,
                    "usage: attn_cpu_bench [--lengths=512,1024,...] [--naive_max_n=4096] "
                    "[--heads=8] [--head_dim=64] [--threads=0] [--repeats=5] "
-                   "[--dtypes=float32,bfloat16]\n(bad argument: %s)\n",
+                   "[--dtypes=float32,bfloat16] [--deterministic]\n(bad argument: %s)\n",
                    arg.c_str());
       return false;
     }
@@ -256,8 +260,8 @@ int main(int argc, char** argv) {
       f.threads > 0 ? f.threads : static_cast<int>(std::thread::hardware_concurrency());
   std::printf(
       "attn_cpu_bench: batch 1, %d heads, d = %d, non-causal, %d threads, median of %d "
-      "after 1 warm-up\n",
-      f.heads, f.head_dim, threads, f.repeats);
+      "after 1 warm-up%s\n",
+      f.heads, f.head_dim, threads, f.repeats, f.deterministic ? ", deterministic backward" : "");
   std::printf(
       "Per engine: GFLOP/s (wall clock) | GFLOP per CPU-second (process CPU time, all threads: "
       "what the engine does per core it actually got) | ms per call | peak scratch MiB\n\n");
@@ -291,6 +295,7 @@ int main(int argc, char** argv) {
       ba.dq = attn::Packed<void*>(dq.data(), h, d);
       ba.dk = attn::Packed<void*>(dk.data(), h, d);
       ba.dv = attn::Packed<void*>(dv.data(), h, d);
+      ba.deterministic = f.deterministic;
 
       const double fwd_flops = 4.0 * static_cast<double>(n) * n * d * h;
       const int repeats = n >= 4096 ? std::min(f.repeats, 3) : f.repeats;

@@ -8,7 +8,9 @@
 // dQ accumulator ([total_q, num_heads, head_dim]) under a striped mutex. That keeps the pass at
 // five block products per tile (S, dP, dV, dK, dQ) instead of the seven a separate
 // query-partitioned dQ pass would cost, with O(N d) extra memory; the price is that the float
-// summation order of dQ, and so its last bits, can vary from run to run.
+// summation order of dQ, and so its last bits, can vary from run to run. BackwardArgs::
+// deterministic fixes the order instead: one item per (sequence, KV head) walks the sequence's
+// key blocks in order, at the cost of parallelism (batch x KV heads items).
 //
 // Per tile, for query row i and the keys j it sees:
 //   P_ij = exp(scale * q_i.k_j - LSE_i),  dP_ij = dO_i.v_j,  dS_ij = P_ij (dP_ij - D_i),
@@ -273,11 +275,29 @@ void TiledBackward(const AttentionProblem& p, const BackwardArgs& a, ThreadPool&
   const std::vector<RowBlock> key_blocks = SplitRows(p.cu_seqlens_k, kBackwardKeys);
   std::vector<BackwardScratch> scratch(pool.num_workers(), BackwardScratch(d));
   const int kv_heads = p.num_kv_heads;
-  pool.ParallelFor(static_cast<int64_t>(key_blocks.size()) * kv_heads,
-                   [&](int worker, int64_t item) {
-                     BackwardKeyBlock(pass, key_blocks[item / kv_heads],
-                                      static_cast<int>(item % kv_heads), scratch[worker]);
-                   });
+  if (a.deterministic) {
+    // Only the item of (sequence, KV head) touches those dQ rows, so each row sums its key
+    // blocks' contributions in key-block order whatever the schedule.
+    const int batch = p.batch();
+    std::vector<size_t> first_block(batch + 1);
+    size_t i = 0;
+    for (int b = 0; b <= batch; ++b) {
+      while (i < key_blocks.size() && key_blocks[i].b < b) ++i;
+      first_block[b] = i;
+    }
+    pool.ParallelFor(int64_t{batch} * kv_heads, [&](int worker, int64_t item) {
+      const int b = static_cast<int>(item / kv_heads), kvh = static_cast<int>(item % kv_heads);
+      for (size_t k = first_block[b]; k < first_block[b + 1]; ++k) {
+        BackwardKeyBlock(pass, key_blocks[k], kvh, scratch[worker]);
+      }
+    });
+  } else {
+    pool.ParallelFor(static_cast<int64_t>(key_blocks.size()) * kv_heads,
+                     [&](int worker, int64_t item) {
+                       BackwardKeyBlock(pass, key_blocks[item / kv_heads],
+                                        static_cast<int>(item % kv_heads), scratch[worker]);
+                     });
+  }
 
   pool.ParallelFor(row_items, [&](int, int64_t item) {
     const int64_t t0 = item * kRowsPerItem, t1 = std::min(total_q, t0 + kRowsPerItem);

@@ -1,9 +1,11 @@
 // Edge cases both CPU engines must handle identically: empty batches and sequences, rows that
 // see no key, NaN/Inf inputs, and any thread count.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <ostream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attn/engine.h"
@@ -187,6 +189,48 @@ TEST(CpuTiledThreadsTest, ThreadCountDoesNotChangeResults) {
     const std::vector<double> dq = t.dq.ToDouble(), dq1 = base.dq.ToDouble();
     for (size_t i = 0; i < dq.size(); ++i) {
       ASSERT_NEAR(dq[i], dq1[i], 1e-5 * (1 + std::abs(dq1[i]))) << "dq element " << i;
+    }
+  }
+}
+
+// BackwardArgs::deterministic: every dQ row sums its key blocks' contributions in key-block
+// order, so dQ, dK and dV are bit-identical for any thread count and from run to run. The
+// sequences span several key blocks (kBackwardKeys), whose dQ contributions otherwise race.
+TEST(CpuTiledThreadsTest, DeterministicBackwardIsBitIdenticalForAnyThreadCount) {
+  AttentionProblem p = VarlenProblem(DType::kF32, {300, 5, 520}, {600, 64, 700}, 4, 1, 32, false);
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  auto backward = [&](Engine& engine, bool deterministic) {
+    AttentionTensors t = AttentionTensors::Make(p, seed);
+    t.PoisonOutputs();
+    EXPECT_TRUE(engine.Forward(p, t.forward_args()).ok());
+    BackwardArgs args = t.backward_args();
+    args.deterministic = deterministic;
+    EXPECT_TRUE(engine.Backward(p, args).ok());
+    EXPECT_EQ(t.dq.CountPoisoned() + t.dk.CountPoisoned() + t.dv.CountPoisoned(), 0);
+    return t;
+  };
+  // The first element that differs, or -1.
+  auto first_difference = [](const HostTensor& got, const HostTensor& want) {
+    const std::vector<double> a = got.ToDouble(), b = want.ToDouble();
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i] != b[i]) return static_cast<int64_t>(i);
+    }
+    return a.size() == b.size() ? int64_t{-1} : static_cast<int64_t>(std::min(a.size(), b.size()));
+  };
+  auto one = MustCreate(EngineKind::kCpuTiled, 1);
+  const AttentionTensors base = backward(*one, true);
+  // One thread adds in key-block order anyway: the fixed order computes the same gradients.
+  const AttentionTensors plain = backward(*one, false);
+  EXPECT_EQ(first_difference(plain.dq, base.dq), -1) << "dq element";
+  for (int threads : {2, 3, 7}) {
+    auto engine = MustCreate(EngineKind::kCpuTiled, threads);
+    for (int run = 0; run < 3; ++run) {
+      SCOPED_TRACE(absl::StrCat("threads=", threads, " run=", run));
+      const AttentionTensors t = backward(*engine, true);
+      EXPECT_EQ(first_difference(t.dq, base.dq), -1) << "dq element";
+      EXPECT_EQ(first_difference(t.dk, base.dk), -1) << "dk element";
+      EXPECT_EQ(first_difference(t.dv, base.dv), -1) << "dv element";
     }
   }
 }
