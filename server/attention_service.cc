@@ -244,6 +244,7 @@ absl::Status AttentionService::AdmitBackward(const Identity& caller,
   const attn::AttentionProblem& problem = work->request.problem();
   ATTN_ASSIGN_OR_RETURN(const EngineChoice engine,
                         ChooseEngine(problem, work->request.forward.path, attn::Pass::kBackward));
+  work->deterministic = work->request.deterministic || options_.deterministic_backward;
   work->tokens = work->request.forward.tokens();
   work->bytes = BackwardWorkingSetBytes(problem);
   BindOutputs(work.get(), response);

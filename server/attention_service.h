@@ -57,6 +57,8 @@ class AttentionService final : public AttentionServiceBase {
     HostMemoryPinning shared_memory_pinning;  // GPU servers: page-lock regions
     // What the lanes' engines were created with: their support answers depend on it.
     attn::EngineOptions engine_options;
+    // Every AttendBackward runs deterministic, whatever its request says.
+    bool deterministic_backward = false;
   };
 
   // `engines` are the kinds every lane runs, in the same order (AUTO's preference); the

@@ -56,6 +56,9 @@ struct Config {
   int max_sequences = 65536;
   // Per AttendStream call: bytes of responses waiting for the client before reading pauses.
   int64_t max_stream_buffer_bytes = int64_t{64} << 20;
+  // Every backward pass (AttendBackward and training jobs) adds its partial sums in a fixed
+  // order, for bit-identical gradients, whether or not the request asks.
+  bool deterministic_backward = false;
 
   // KV sessions (server/session_store.h). kv_pool_bytes per device; 0: a quarter of the
   // device's free memory on a GPU, 1 GiB of host memory on the CPU; negative: no sessions.

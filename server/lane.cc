@@ -441,6 +441,7 @@ absl::Status Lane::RunBackward(BackwardWork& work, ExecutionReport* report) {
   b.dk = attn::Packed<void*>(out(at.dk), p.num_kv_heads, p.head_dim);
   b.dv = attn::Packed<void*>(out(at.dv), p.num_kv_heads, p.head_dim);
   b.stream = pool->stream();
+  b.deterministic = work.deterministic;
   ATTN_RETURN_IF_ERROR(engine.Backward(p, b));
   ATTN_RETURN_IF_ERROR(pool->StopComputeTimer());
   ATTN_RETURN_IF_ERROR(pool->CopyToHost(at.dq, at.end - at.dq));

@@ -75,6 +75,9 @@ ABSL_FLAG(int, max_sequences, 65536, "Sequences a request may have (dense batch 
 ABSL_FLAG(int64_t, max_stream_buffer_bytes, int64_t{64} << 20,
           "Per AttendStream call: bytes of responses waiting for the client to read before the "
           "server stops reading its requests");
+ABSL_FLAG(bool, deterministic_backward, false,
+          "Run every backward pass (AttendBackward, training jobs) in deterministic mode: "
+          "bit-identical gradients across runs, at some cost in speed, whatever the request asks");
 ABSL_FLAG(int64_t, kv_pool_bytes, 0,
           "KV session pages per device: bytes; 0 = a quarter of the GPU's free memory (1 GiB of "
           "host memory on the CPU engine); negative = no KV sessions");
@@ -143,6 +146,7 @@ absl::StatusOr<attnserve::Config> ConfigFromFlags() {
   c.max_heads = absl::GetFlag(FLAGS_max_heads);
   c.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   c.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
+  c.deterministic_backward = absl::GetFlag(FLAGS_deterministic_backward);
   c.kv_pool_bytes = absl::GetFlag(FLAGS_kv_pool_bytes);
   c.kv_page_bytes = absl::GetFlag(FLAGS_kv_page_bytes);
   c.session_max_tokens = absl::GetFlag(FLAGS_session_max_tokens);

@@ -111,6 +111,7 @@ void FillResponse(const BackwardWork& work, v1::AttendBackwardResponse* response
   DescribeTensor(dtype, r.k_shape, response->mutable_d_v());
   response->set_path(PathOf(work.report.engine));
   response->set_engine(std::string(attn::EngineKindName(work.report.engine)));
+  response->set_deterministic(work.deterministic);
   FillTiming(work, response->mutable_timing());
 }
 

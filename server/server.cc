@@ -136,6 +136,7 @@ v1::ServerInfo DescribeServer(const Config& config, const std::vector<attn::Engi
   limits->set_max_shared_memory_regions(config.max_regions_per_identity);
   info.set_auth_required(!config.auth_token_file.empty());
   info.set_shared_memory(config.shared_memory);
+  info.set_deterministic_backward(config.deterministic_backward);
   return info;
 }
 
@@ -161,6 +162,7 @@ absl::StatusOr<std::unique_ptr<training::TrainingService>> StartTraining(
       worker.space = gpu ? attn::MemorySpace::kDevice : attn::MemorySpace::kHost;
       worker.device = device;
       worker.cpu_threads = config.training_cpu_threads;
+      worker.deterministic_backward = config.deterministic_backward;
       options.workers.push_back(worker);
     }
   }
@@ -309,6 +311,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   service_options.limits.memory_limit_bytes = config.memory_limit_bytes;
   service_options.limits.max_heads = config.max_heads;
   service_options.limits.max_sequences = config.max_sequences;
+  service_options.deterministic_backward = config.deterministic_backward;
   service_options.descriptor_socket = self->descriptor_socket_.get();
   service_options.shared_memory_limits.max_regions_per_owner = config.max_regions_per_identity;
   if (any_device) {  // lanes DMA page-locked regions to and from the device

@@ -102,6 +102,9 @@ struct BackwardWork final : Work {
   BackwardWork() : Work(WorkKind::kBackward) {}
   DecodedBackward request;
   OutputSink dq, dk, dv;
+  // attn::BackwardArgs::deterministic: the request asks, or the server runs every backward so.
+  // A backward runs alone (no batch key), so no engine call mixes the two modes.
+  bool deterministic = false;
 };
 
 // Attend with session_id: Q (and with append, the K/V rows to add) against a session's pages.

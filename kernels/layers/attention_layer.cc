@@ -251,6 +251,7 @@ absl::Status AttentionLayer::Backward(const float* d_out) {
   args.dk = Packed<void*>(d_k_.data(), hkv, hd);
   args.dv = Packed<void*>(d_v_.data(), hkv, hd);
   args.stream = ops_->stream();
+  args.deterministic = config_.deterministic_backward;
   ATTN_RETURN_IF_ERROR(backward_engine_->Backward(problem_, args));
 
   const ConstMatrix xm{x_, dt, t, d};

@@ -36,6 +36,8 @@ struct LayerConfig {
   bool layer_norm = false;
   DType dtype = DType::kF32;  // compute dtype
   float layer_norm_epsilon = 1e-5f;
+  // The attention backward adds its partial sums in a fixed order (BackwardArgs::deterministic).
+  bool deterministic_backward = false;
 };
 
 // Sizes the layer accepts beyond what attention itself validates.

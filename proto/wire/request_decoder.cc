@@ -520,6 +520,7 @@ absl::StatusOr<DecodedBackward> DecodeAttendBackwardRequest(
   }
   ATTN_ASSIGN_OR_RETURN(d.d_o, ElementsOf("d_o", r.d_o(), p.dtype, shared_memory, &d.forward));
   d.k_shape.assign(r.forward().k().shape().begin(), r.forward().k().shape().end());
+  d.deterministic = r.deterministic();
   return d;
 }
 

@@ -62,6 +62,7 @@ struct DecodedBackward {
   const char* o = nullptr;       // the forward's O, like q; null: the server runs the forward
   const char* lse = nullptr;     // float32 [num_heads, total_q]; set exactly when o is
   std::vector<int64_t> k_shape;  // the shape of k, which dK and dV take
+  bool deterministic = false;    // the request asks for bit-identical gradients
 
   const attn::AttentionProblem& problem() const { return forward.problem; }
 };

@@ -66,9 +66,11 @@ absl::Status Trainer::Init(const TrainerOptions& options_in) {
     }
   }
 
-  ATTN_ASSIGN_OR_RETURN(
-      layer_, attn::layers::AttentionLayer::Create(spec_.layer, spec_.batch_size, spec_.seqlen,
-                                                   ops_.get(), forward_, backward_));
+  attn::layers::LayerConfig layer = spec_.layer;
+  layer.deterministic_backward = spec_.deterministic || options.deterministic_backward;
+  ATTN_ASSIGN_OR_RETURN(layer_,
+                        attn::layers::AttentionLayer::Create(layer, spec_.batch_size, spec_.seqlen,
+                                                             ops_.get(), forward_, backward_));
   const int64_t tokens = layer_->tokens();
   if (data_->classification()) {
     ATTN_ASSIGN_OR_RETURN(

@@ -26,6 +26,8 @@ struct TrainerOptions {
   attn::MemorySpace space = attn::MemorySpace::kHost;
   int device = 0;
   int cpu_threads = 1;
+  // Every job's backward passes run deterministic, whatever its spec says.
+  bool deterministic_backward = false;
 };
 
 // Everything a checkpoint needs to continue the run exactly.
@@ -65,6 +67,7 @@ class Trainer {
   std::string_view metric_name() const { return objective_->metric_name(); }
   std::string_view forward_engine() const { return forward_->name(); }
   std::string_view backward_engine() const { return backward_->name(); }
+  bool deterministic() const { return layer_->config().deterministic_backward; }
 
   // The named parameter tensors (host float32), at the current step.
   absl::StatusOr<std::vector<std::pair<attn::layers::ParamSlot, std::vector<float>>>> Weights()

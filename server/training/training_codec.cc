@@ -139,6 +139,7 @@ absl::StatusOr<TrainingSpec> SpecFromProto(const v1::TrainingJobSpec& wire) {
   spec.steps = wire.steps();
   spec.seed = wire.seed();
   spec.checkpoint_every = wire.checkpoint_every();
+  spec.deterministic = wire.deterministic();
   switch (wire.path()) {
     case v1::PATH_AUTO:
       spec.path = EnginePath::kAuto;
@@ -319,6 +320,7 @@ v1::TrainingJob JobToProto(const Job& job) {
   out.set_checkpoint_step(job.checkpoint_step);
   out.set_forward_engine(job.forward_engine);
   out.set_backward_engine(job.backward_engine);
+  out.set_deterministic(job.deterministic);
   *out.mutable_spec() = job.wire_spec;
   out.mutable_spec()->clear_initial_weights();  // bulky, and the client has them
   return out;
@@ -374,6 +376,7 @@ JobRecord RecordOf(const Job& job, const TrainerState* state, bool with_moments)
   r.set_end_time_unix_micros(Micros(job.ended));
   r.set_forward_engine(job.forward_engine);
   r.set_backward_engine(job.backward_engine);
+  r.set_deterministic(job.deterministic);
   r.set_resumed_from_step(job.resumed_from_step);
   *r.mutable_progress() = ProgressToProto(job.progress);
   if (state != nullptr) {
@@ -412,6 +415,7 @@ std::shared_ptr<Job> JobFromRecord(const JobRecord& r) {
   job->progress = ProgressFromProto(r.progress());
   job->forward_engine = r.forward_engine();
   job->backward_engine = r.backward_engine();
+  job->deterministic = r.deterministic();
   job->resumed_from_step = r.resumed_from_step();
   job->curve.steps.assign(r.curve_steps().begin(), r.curve_steps().end());
   job->curve.loss.assign(r.curve_loss().begin(), r.curve_loss().end());

@@ -63,6 +63,7 @@ struct Job {
   int64_t resumed_from_step = 0;
   int64_t checkpoint_step = 0;
   std::string forward_engine, backward_engine;
+  bool deterministic = false;  // the current (or last) run's backward passes
   bool cancel_requested = false;
   // Where a run continues from (a checkpoint), and then where it ended (the final weights).
   std::optional<TrainerState> state_on_disk;

@@ -262,6 +262,7 @@ void TrainingScheduler::Run(int worker, const std::shared_ptr<Job>& job) {
   registry_->Update(*job, [&] {
     job->forward_engine = std::string(trainer->forward_engine());
     job->backward_engine = std::string(trainer->backward_engine());
+    job->deterministic = trainer->deterministic();
     job->progress.metric_name = std::string(trainer->metric_name());
   });
   ATTN_LOG(kInfo) << "training job " << job->id << " runs on worker " << worker << " ("

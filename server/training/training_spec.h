@@ -47,7 +47,8 @@ struct TrainingSpec {
   int64_t steps = 100;
   uint64_t seed = 0;
   EnginePath path = EnginePath::kAuto;
-  int checkpoint_every = 0;  // 0: the server's default
+  int checkpoint_every = 0;    // 0: the server's default
+  bool deterministic = false;  // every backward pass bit-identical across runs
   // Named float32 tensors replacing the seeded initialisation (w_q, ..., ln_bias).
   std::map<std::string, std::vector<float>> initial_weights;
 };

@@ -456,6 +456,48 @@ TEST(ServerIntegration, BackwardRequestsDoNotWaitForABatch) {
   EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
 }
 
+// A deterministic backward gives the same bytes every time and for any thread count: the CPU
+// engine runs with several threads, whose dQ additions race in the default mode (each sequence
+// spans four key blocks), and every answer must equal the first. --deterministic_backward makes
+// every request deterministic, asked or not.
+TEST(ServerIntegration, DeterministicBackwardGivesTheSameBytesEveryTime) {
+  const ShapeSpec shape = Shape(attn::DType::kF32, 2, 384, 512, 4, 1, 32, false, false, false);
+  v1::AttendBackwardRequest request = client::MakeRandomBackwardRequest(shape, 21, "det");
+  request.set_deterministic(true);
+  v1::AttendBackwardRequest plain = request;
+  plain.set_deterministic(false);
+  auto gradients = [](const v1::AttendBackwardResponse& r) {
+    return std::make_tuple(r.d_q().data(), r.d_k().data(), r.d_v().data());
+  };
+
+  Connection c = Connect({"--cpu_threads=4"});
+  EXPECT_FALSE(c.Info().deterministic_backward());
+  v1::AttendBackwardResponse first;
+  ASSERT_TRUE(c.Backward(request, &first).ok());
+  EXPECT_TRUE(first.deterministic());
+  const auto check = client::CheckBackwardAgainstReference(request, first);
+  EXPECT_TRUE(check.ok()) << check.status();
+  for (int run = 1; run < 4; ++run) {
+    v1::AttendBackwardResponse again;
+    ASSERT_TRUE(c.Backward(request, &again).ok());
+    EXPECT_TRUE(again.deterministic());
+    EXPECT_TRUE(gradients(again) == gradients(first)) << "run " << run << " differs";
+  }
+  v1::AttendBackwardResponse plain_response;
+  ASSERT_TRUE(c.Backward(plain, &plain_response).ok());
+  EXPECT_FALSE(plain_response.deterministic());
+  EXPECT_EQ(c.server->Stop(SIGTERM), 0) << c.server->log();
+
+  Connection forced = Connect({"--cpu_threads=3", "--deterministic_backward"});
+  EXPECT_TRUE(forced.Info().deterministic_backward());
+  v1::AttendBackwardResponse forced_response;
+  ASSERT_TRUE(forced.Backward(plain, &forced_response).ok());
+  EXPECT_TRUE(forced_response.deterministic());
+  EXPECT_TRUE(gradients(forced_response) == gradients(first))
+      << "three threads gave other bytes than four";
+  EXPECT_EQ(forced.server->Stop(SIGTERM), 0) << forced.server->log();
+}
+
 TEST(ServerIntegration, MalformedBackwardRequestsAreRejectedNamingTheField) {
   Connection c = Connect({"--memory_limit_bytes=1048576"});
   const v1::AttendBackwardRequest good = client::MakeRandomBackwardRequest(

@@ -247,6 +247,39 @@ TEST(TrainerResume, RestoredRunMatchesUnbrokenRun) {
   EXPECT_EQ((*resumed)->Save()->weights, (*straight)->Save()->weights);
 }
 
+// spec.deterministic reaches the attention backward: runs on four CPU threads, whose sequences
+// span four key blocks (dQ sums that race otherwise), end with the same weights bit for bit;
+// TrainerOptions::deterministic_backward (the server's flag) does the same for a spec that does
+// not ask.
+TEST(TrainerDeterministic, RunsOnSeveralThreadsEndWithTheSameWeights) {
+  TrainingSpec spec = SmallSpec();
+  spec.layer.model_dim = 64;
+  spec.layer.num_heads = 4;
+  spec.layer.head_dim = 32;
+  spec.synthetic.kind = TaskKind::kCopy;
+  spec.seqlen = 512;
+  spec.steps = 2;
+  spec.optimizer.learning_rate = 0.1f;
+  TrainerOptions options;
+  options.cpu_threads = 4;
+  auto run = [](const TrainingSpec& s, const TrainerOptions& o) {
+    SyntheticTask task(s);
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(s, &task, o);
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    if (!trainer.ok()) return std::vector<float>();
+    EXPECT_TRUE((*trainer)->deterministic());
+    for (int64_t i = 0; i < s.steps; ++i) EXPECT_TRUE((*trainer)->Step().ok());
+    return (*trainer)->Save()->weights;
+  };
+  spec.deterministic = true;
+  const std::vector<float> first = run(spec, options);
+  for (int i = 1; i < 4; ++i) EXPECT_EQ(run(spec, options), first) << "run " << i;
+  spec.deterministic = false;
+  TrainerOptions forced = options;
+  forced.deterministic_backward = true;
+  EXPECT_EQ(run(spec, forced), first);
+}
+
 TEST(TrainerDiverges, NanLossStopsTheRun) {
   TrainingSpec spec = SmallSpec();
   spec.optimizer.kind = attn::layers::OptimizerKind::kAdamW;

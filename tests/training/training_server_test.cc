@@ -375,6 +375,52 @@ TEST(TrainingServer, KillNineThenRestartResumesAtTheCheckpointWithTheSameWeights
   std::filesystem::remove_all(dir);
 }
 
+// spec.deterministic comes back in the job's spec and as the job's own deterministic (what its
+// run did), both survive a restart from the training directory, and --deterministic_backward
+// makes a job whose spec does not ask run deterministic.
+TEST(TrainingServer, JobsSayWhetherTheirBackwardRanDeterministic) {
+  char dir_template[] = "/tmp/attnserve_training_XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string dir_flag = "--training_dir=" + dir;
+  v1::TrainingJobSpec asking = RecallSpec(5);
+  asking.set_deterministic(true);
+  const v1::TrainingJobSpec plain = RecallSpec(5);
+  std::string asked, not_asked;
+  {
+    auto server = StartServer({dir_flag});
+    const Client c(*server);
+    const v1::TrainingJob submitted = c.SubmitOk(asking);
+    EXPECT_TRUE(submitted.spec().deterministic());
+    asked = submitted.job_id();
+    not_asked = c.SubmitOk(plain).job_id();
+    const v1::TrainingJob a = c.WaitFinished(asked);
+    ASSERT_EQ(a.state(), v1::TRAINING_JOB_SUCCEEDED) << a.error();
+    EXPECT_TRUE(a.deterministic());
+    EXPECT_TRUE(a.spec().deterministic());
+    const v1::TrainingJob b = c.WaitFinished(not_asked);
+    ASSERT_EQ(b.state(), v1::TRAINING_JOB_SUCCEEDED) << b.error();
+    EXPECT_FALSE(b.deterministic());
+    EXPECT_FALSE(b.spec().deterministic());
+    EXPECT_EQ(server->Stop(SIGTERM), 0);
+  }
+
+  auto server = StartServer({dir_flag, "--deterministic_backward"});
+  const Client c(*server);
+  v1::TrainingJob job;
+  ASSERT_TRUE(c.Get(asked, &job).ok());
+  EXPECT_TRUE(job.deterministic());
+  EXPECT_TRUE(job.spec().deterministic());
+  ASSERT_TRUE(c.Get(not_asked, &job).ok());
+  EXPECT_FALSE(job.deterministic()) << "its run, before the flag, was not";
+  EXPECT_FALSE(job.spec().deterministic());
+  const v1::TrainingJob forced = c.WaitFinished(c.SubmitOk(plain).job_id());
+  ASSERT_EQ(forced.state(), v1::TRAINING_JOB_SUCCEEDED) << forced.error();
+  EXPECT_TRUE(forced.deterministic());
+  EXPECT_FALSE(forced.spec().deterministic());
+  EXPECT_EQ(server->Stop(SIGTERM), 0);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(TrainingServer, CancelEndsRunningAndQueuedJobs) {
   auto server = StartServer({});
   const Client c(*server);
