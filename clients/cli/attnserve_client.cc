@@ -88,6 +88,8 @@ ABSL_FLAG(int, channels, 4, "bench: gRPC channels (connections) the clients shar
 ABSL_FLAG(std::string, rpc, "unary",
           "bench: closed loop over 'unary' Attend calls (one per client) or 'stream' (the "
           "concurrency pipelined over --streams AttendStream calls)");
+ABSL_FLAG(bool, deterministic, false,
+          "backward, train submit: bit-identical gradients across runs, at some cost in speed");
 ABSL_FLAG(bool, send_forward, false,
           "backward: get O and the LSE from an Attend call first and send them along");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
@@ -381,6 +383,7 @@ int Backward(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> chann
   for (int i = 0; i < absl::GetFlag(FLAGS_count); ++i) {
     v1::AttendBackwardRequest request = attnserve::client::MakeRandomBackwardRequest(
         spec, absl::GetFlag(FLAGS_seed) + i, absl::StrCat("cli-backward-", i));
+    request.set_deterministic(absl::GetFlag(FLAGS_deterministic));
     v1::AttendRequest& forward = *request.mutable_forward();
     if (absl::GetFlag(FLAGS_window_left) >= 0)
       forward.set_window_left(absl::GetFlag(FLAGS_window_left));
@@ -422,15 +425,17 @@ int Backward(const ChannelFactory& factory, std::shared_ptr<grpc::Channel> chann
     if (absl::GetFlag(FLAGS_json)) {
       std::printf(
           "{\"request_id\": \"%s\", \"engine\": \"%s\", \"latency_ms\": %.3f, "
-          "\"compute_us\": %lld, \"kernel_us\": %lld, \"sent_forward\": %s, \"check\": \"%s\", "
-          "\"max_abs_error\": %g}\n",
+          "\"compute_us\": %lld, \"kernel_us\": %lld, \"sent_forward\": %s, "
+          "\"deterministic\": %s, \"check\": \"%s\", \"max_abs_error\": %g}\n",
           response.request_id().c_str(), response.engine().c_str(), ms,
           static_cast<long long>(t.compute_us()), static_cast<long long>(t.kernel_us()),
-          request.has_o() ? "true" : "false", check.c_str(), max_err);
+          request.has_o() ? "true" : "false", response.deterministic() ? "true" : "false",
+          check.c_str(), max_err);
     } else {
       std::printf(
-          "%s: engine %s, %.2f ms (compute %lld us, kernel %lld us), d_q %s, %s, check %s%s\n",
-          response.request_id().c_str(), response.engine().c_str(), ms,
+          "%s: engine %s%s, %.2f ms (compute %lld us, kernel %lld us), d_q %s, %s, check %s%s\n",
+          response.request_id().c_str(), response.engine().c_str(),
+          response.deterministic() ? " (deterministic)" : "", ms,
           static_cast<long long>(t.compute_us()), static_cast<long long>(t.kernel_us()),
           absl::StrJoin(response.d_q().shape(), "x").c_str(),
           request.has_o() ? "O and LSE sent" : "forward rerun by the server", check.c_str(),

@@ -28,6 +28,7 @@ ABSL_DECLARE_FLAG(int, window_left);
 ABSL_DECLARE_FLAG(int, window_right);
 ABSL_DECLARE_FLAG(std::string, path);
 ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(bool, deterministic);
 
 ABSL_FLAG(std::string, job, "", "train watch/status/cancel/result: the job id");
 ABSL_FLAG(std::string, name, "", "train submit: the job's display name");
@@ -154,6 +155,7 @@ absl::Status SpecFromFlags(v1::TrainingJobSpec* spec, v1::Tensor* inputs, v1::Te
   spec->set_steps(absl::GetFlag(FLAGS_steps));
   spec->set_seed(absl::GetFlag(FLAGS_seed));
   spec->set_checkpoint_every(absl::GetFlag(FLAGS_checkpoint_every));
+  spec->set_deterministic(absl::GetFlag(FLAGS_deterministic));
   absl::StatusOr<v1::DType> dtype = WireDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return dtype.status();
   spec->set_dtype(*dtype);

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import attnserve
+from attnserve import _protocol
 from reference import GRAD_TOLERANCE, TOLERANCE, assert_close, attention, bf16_round, rounded
 
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -175,6 +176,22 @@ def test_backward_bhsd(client, rng):
                                  layout="bhsd")
     for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
         assert_close(name, got, t(want), 1e-4)
+
+
+def test_deterministic_backward(client, rng):
+    """deterministic=True goes into the request, and its gradients are the reference's, the
+    same bytes on every call."""
+    q, k, v, d_o = inputs(rng, "float32", (1, 300, 2, 16), (1, 300, 1, 16), (1, 300, 1, 16),
+                          (1, 300, 2, 16))
+    assert _protocol.backward(q, k, v, d_o, deterministic=True).request.deterministic
+    assert not _protocol.backward(q, k, v, d_o).request.deterministic
+    _, _, dq_ref, dk_ref, dv_ref = attention(q, k, v, d_o, causal=True)
+    runs = [client.backward(q, k, v, d_o, causal=True, deterministic=True) for _ in range(2)]
+    for name, got, want in zip(("dq", "dk", "dv"), runs[0], (dq_ref, dk_ref, dv_ref)):
+        assert_close(name, got, want, GRAD_TOLERANCE["float32"])
+    for first, second in zip(*runs):
+        assert first.tobytes() == second.tobytes()
+    assert client.info().deterministic_backward is False
 
 
 def test_return_result(client, rng):

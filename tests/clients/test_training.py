@@ -81,6 +81,14 @@ def test_bfloat16_compute_with_float32_master_weights(client):
     assert result.weights["w_v"].dtype == np.float32
 
 
+def test_deterministic_jobs_say_so(client):
+    asked = client.train(steps=5, deterministic=True)
+    plain = client.train(steps=5)
+    assert asked.wait(timeout=60).deterministic is True
+    assert plain.wait(timeout=60).deterministic is False
+    assert asked.status().deterministic is True
+
+
 def test_async_client(server):
     async def run():
         async with attnserve.AsyncClient(server.target) as c:

@@ -203,7 +203,8 @@ class Backward:
 
 
 @_tagged
-def backward(q, k, v, d_o, *, o=None, lse=None, dtype=None, request_id="", **forward_args):
+def backward(q, k, v, d_o, *, o=None, lse=None, dtype=None, deterministic=False, request_id="",
+             **forward_args):
     """A Backward for backward / backward_varlen's arguments."""
     if (o is None) != (lse is None):
         raise invalid("o, lse: pass both (the forward's outputs, with return_lse=True) or neither")
@@ -212,7 +213,7 @@ def backward(q, k, v, d_o, *, o=None, lse=None, dtype=None, request_id="", **for
     layout = None if f.layout == "thd" else f.layout
     names = ("d_o",) + (("o",) if o is not None else ())
     _check_layout((d_o,) + ((o,) if o is not None else ()), names, f.layout, f.layout == "thd")
-    request = pb.AttendBackwardRequest(forward=f.request)
+    request = pb.AttendBackwardRequest(forward=f.request, deterministic=bool(deterministic))
     request.d_o.CopyFrom(arrays.to_tensor(*_wire_values(d_o, "d_o", wire, layout)[:2]))
     if o is not None:
         request.o.CopyFrom(arrays.to_tensor(*_wire_values(o, "o", wire, layout)[:2]))

@@ -143,18 +143,21 @@ class AsyncClient(_Base):
 
     async def backward(self, q, k, v, d_o, *, o=None, lse=None, softmax_scale=None,
                        causal=False, window_size=(-1, -1), layout="bshd", dtype=None,
-                       path="auto", request_id=None, timeout=None, shared_memory=None):
+                       path="auto", deterministic=False, request_id=None, timeout=None,
+                       shared_memory=None):
         """Client.backward as a coroutine: (dq, dk, dv). causal is bottom-right aligned, as
         flash_attn >= 2.1 (query i sees keys j <= i + seqlen_k - seqlen_q)."""
         b = _protocol.backward(q, k, v, d_o, o=o, lse=lse, softmax_scale=softmax_scale,
                                causal=causal, window_size=window_size, layout=layout,
-                               dtype=dtype, path=path, request_id=self._request_id(request_id))
+                               dtype=dtype, path=path, deterministic=deterministic,
+                               request_id=self._request_id(request_id))
         return await self._backward(b, timeout, shared_memory)
 
     async def backward_varlen(self, q, k, v, d_o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                               max_seqlen_k=None, *, o=None, lse=None, softmax_scale=None,
                               causal=False, window_size=(-1, -1), dtype=None, path="auto",
-                              request_id=None, timeout=None, shared_memory=None):
+                              deterministic=False, request_id=None, timeout=None,
+                              shared_memory=None):
         """Client.backward_varlen as a coroutine. causal is bottom-right aligned per sequence,
         as flash_attn >= 2.1 (query i sees keys j <= i + seqlen_k - seqlen_q)."""
         b = _protocol.backward(q, k, v, d_o, o=o, lse=lse, cu_seqlens_q=cu_seqlens_q,
@@ -162,6 +165,7 @@ class AsyncClient(_Base):
                                max_seqlen_k=max_seqlen_k, varlen=True,
                                softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, dtype=dtype, path=path,
+                               deterministic=deterministic,
                                request_id=self._request_id(request_id))
         return await self._backward(b, timeout, shared_memory)
 

@@ -106,7 +106,9 @@ class Client(_Base):
             (True), window_size ((-1, -1)), residual (True), layer_norm (True).
         Run: batch_size (16), seqlen (32), steps (300), dtype ("float32"; "float16" or
             "bfloat16" with float32 master weights), seed, path ("auto", "fused", "naive",
-            "cpu"), checkpoint_every (0: the server's), name, initial_weights ({name: array}).
+            "cpu"), checkpoint_every (0: the server's), name, initial_weights ({name: array}),
+            deterministic (False: True makes every step's attention backward bit-identical
+            across runs).
         Optimiser: optimizer ("adamw" or "sgd"), learning_rate (1e-2), schedule ("constant",
             "cosine", "linear"), warmup_steps, min_learning_rate, betas, eps, weight_decay,
             max_grad_norm (0: no clipping).
@@ -227,26 +229,30 @@ class Client(_Base):
         return _protocol.gradients(b, response)
 
     def backward(self, q, k, v, d_o, *, o=None, lse=None, softmax_scale=None, causal=False,
-                 window_size=(-1, -1), layout="bshd", dtype=None, path="auto", request_id=None,
-                 timeout=None, shared_memory=None):
+                 window_size=(-1, -1), layout="bshd", dtype=None, path="auto",
+                 deterministic=False, request_id=None, timeout=None, shared_memory=None):
         """Gradients dQ, dK, dV of attend(q, k, v, ...) for the upstream gradient d_o.
 
         q, k, v, d_o and the mask arguments as attend() (d_o: q's shape). causal: bottom-right
         aligned, as flash_attn >= 2.1 (query row i sees keys j <= i + seqlen_k - seqlen_q), not
         SDPA's top-left. o and lse, both or neither: the forward's outputs (attend with
-        return_lse=True); given them the server skips rerunning the forward. Returns (dq, dk,
-        dv), each like its input (dk and dv summed over the query heads sharing a KV head).
-        Raises AttnServeError.
+        return_lse=True); given them the server skips rerunning the forward. deterministic:
+        bit-identical gradients for the same inputs on every call, at some cost in speed (the
+        server's --deterministic_backward makes every call so). Returns (dq, dk, dv), each like
+        its input (dk and dv summed over the query heads sharing a KV head). Raises
+        AttnServeError.
         """
         b = _protocol.backward(q, k, v, d_o, o=o, lse=lse, softmax_scale=softmax_scale,
                                causal=causal, window_size=window_size, layout=layout,
-                               dtype=dtype, path=path, request_id=self._request_id(request_id))
+                               dtype=dtype, path=path, deterministic=deterministic,
+                               request_id=self._request_id(request_id))
         return self._backward(b, timeout, shared_memory)
 
     def backward_varlen(self, q, k, v, d_o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                         max_seqlen_k=None, *, o=None, lse=None, softmax_scale=None,
                         causal=False, window_size=(-1, -1), dtype=None, path="auto",
-                        request_id=None, timeout=None, shared_memory=None):
+                        deterministic=False, request_id=None, timeout=None,
+                        shared_memory=None):
         """backward() for attend_varlen's packed layout; lse is [heads, total_q]. causal:
         bottom-right aligned within each sequence (query i sees keys j <= i + seqlen_k -
         seqlen_q), as flash_attn >= 2.1. Returns (dq, dk, dv). Raises AttnServeError."""
@@ -255,6 +261,7 @@ class Client(_Base):
                                max_seqlen_k=max_seqlen_k, varlen=True,
                                softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, dtype=dtype, path=path,
+                               deterministic=deterministic,
                                request_id=self._request_id(request_id))
         return self._backward(b, timeout, shared_memory)
 

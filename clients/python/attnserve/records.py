@@ -73,6 +73,7 @@ class ServerInfo:
     shared_memory: bool
     shared_memory_socket: str  # where SharedMemoryRegion passes its descriptor; "" = disabled
     sessions: SessionLimits
+    deterministic_backward: bool  # every backward runs deterministic, whatever the request says
 
 
 @dataclass(frozen=True)

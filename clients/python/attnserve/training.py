@@ -87,6 +87,7 @@ class JobStatus:
     checkpoint_step: int
     forward_engine: str
     backward_engine: str
+    deterministic: bool  # the run's backward passes: the spec asked, or the server forces it
 
     @property
     def finished(self):
@@ -101,7 +102,8 @@ class JobStatus:
                    tokens_per_second=p.tokens_per_second, eta_seconds=p.eta_seconds,
                    learning_rate=p.learning_rate, error=job.error,
                    resumed_from_step=job.resumed_from_step, checkpoint_step=job.checkpoint_step,
-                   forward_engine=job.forward_engine, backward_engine=job.backward_engine)
+                   forward_engine=job.forward_engine, backward_engine=job.backward_engine,
+                   deterministic=job.deterministic)
 
 
 @dataclass(frozen=True)
@@ -147,14 +149,14 @@ def spec(*, task=None, inputs=None, targets=None, model_dim=None, num_heads=4, n
          vocab_size=16, task_seed=0, batch_size=16, seqlen=None, steps=300, dtype="float32",
          seed=0, path="auto", optimizer="adamw", learning_rate=1e-2, schedule="constant",
          warmup_steps=0, min_learning_rate=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-         max_grad_norm=0.0, initial_weights=None, checkpoint_every=0, name="",
-         chunk_bytes=CHUNK_BYTES):
+         max_grad_norm=0.0, initial_weights=None, checkpoint_every=0, deterministic=False,
+         name="", chunk_bytes=CHUNK_BYTES):
     """(the SubmitTrainingJob messages, in order) for Client.train's arguments."""
     if (inputs is None) != (targets is None):
         raise invalid("inputs, targets: pass both (uploaded data) or neither (a synthetic task)")
     s = tpb.TrainingJobSpec(display_name=name, steps=int(steps), batch_size=int(batch_size),
                             seed=int(seed), checkpoint_every=int(checkpoint_every),
-                            path=_choice(path, PATHS, "path"))
+                            path=_choice(path, PATHS, "path"), deterministic=bool(deterministic))
     s.dtype = arrays.WIRE_DTYPES[arrays.dtype_name(dtype)]
     chunks = []
     if inputs is None:
