@@ -12,9 +12,9 @@
 #include "cuda/common/alignment.h"
 #include "cuda/common/element_convert.cuh"
 #include "cuda/fused/capabilities.h"
+#include "cuda/fused/dq_order.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/fused_backward_launch.h"
-#include "cuda/fused/heuristics.h"
 
 namespace attn::cuda {
 namespace {
@@ -58,9 +58,8 @@ __global__ void __launch_bounds__(kThreads)
 // atomics and bulk reductions, then the accumulator, then the deterministic mode's counters.
 int64_t DeltaFloats(int64_t rows) { return (rows + 3) / 4 * 4; }
 
-int64_t QueryTiles(int64_t max_seqlen_q, int head_dim) {
-  const int rows = Sm90BackwardBlockM(head_dim);
-  return (max_seqlen_q + rows - 1) / rows;
+int64_t QueryTiles(int64_t max_seqlen_q) {
+  return (max_seqlen_q + kDqCounterRows - 1) / kDqCounterRows;
 }
 
 bool Aligned16(const void* data, int64_t token_stride, int64_t head_stride) {
@@ -77,7 +76,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
   work.delta = delta;
   work.dq_accum = delta + DeltaFloats(rows);
   work.dq_tile_counters = reinterpret_cast<int*>(work.dq_accum + accum_elems);
-  work.query_tiles = QueryTiles(p.max_seqlen_q, kHeadDim);
+  work.query_tiles = QueryTiles(p.max_seqlen_q);
   if (cudaError_t e = cudaMemsetAsync(work.dq_accum, 0, accum_elems * sizeof(float), stream);
       e != cudaSuccess) {
     return e;
@@ -117,8 +116,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
 
 int64_t FusedBackwardWorkspaceBytes(const AttentionProblem& p) {
   const int64_t rows = p.total_q() * p.num_heads;
-  const int64_t counters =
-      int64_t{p.batch()} * p.num_heads * QueryTiles(p.max_seqlen_q(), p.head_dim);
+  const int64_t counters = int64_t{p.batch()} * p.num_heads * QueryTiles(p.max_seqlen_q());
   return (DeltaFloats(rows) + rows * p.head_dim) * static_cast<int64_t>(sizeof(float)) +
          counters * static_cast<int64_t>(sizeof(int));
 }
@@ -134,12 +132,8 @@ absl::Status LaunchFusedBackward(const FusedBackwardParams& p, void* stream) {
       [&]<DType kDType, int kHeadDim>() { return RunBackward<kDType, kHeadDim>(p, s); });
   if (err == cudaErrorNotSupported) {
     return absl::UnimplementedError(
-        p.deterministic
-            ? "cuda_fused: a deterministic backward needs the Hopper (sm_90a) kernel, which "
-              "cannot run on this device, build or problem; the portable kernel adds dQ with "
-              "atomics"
-            : "cuda_fused: the pinned backward kernel (FusedBackwardParams::kernel) cannot run "
-              "on this device, build or problem");
+        "cuda_fused: the pinned backward kernel (FusedBackwardParams::kernel) cannot run on this "
+        "device, build or problem");
   }
   if (err != cudaSuccess) {
     return absl::InternalError(

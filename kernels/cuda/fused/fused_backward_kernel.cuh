@@ -14,6 +14,7 @@
 
 #include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
+#include "cuda/fused/dq_order.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/ptx.cuh"
 #include "cuda/fused/sequence.cuh"
@@ -147,7 +148,8 @@ __device__ __forceinline__ void MmaTilePair(float (&acc)[kTiles][4], int n, cons
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     BackwardKernel(const FusedBackwardParams p, const float* delta, float* dq_accum,
-                   bool aligned_inputs, bool aligned_outputs) {
+                   int* dq_tile_counters, int64_t query_tiles, bool aligned_inputs,
+                   bool aligned_outputs) {
   extern __shared__ __align__(128) unsigned char shared_raw[];
   auto& sm = *reinterpret_cast<SharedTiles<T, D>*>(shared_raw);
   // Warp w owns rows [16 (w % 4), +16) of every product: query rows of S, dP and dQ, key rows
@@ -308,7 +310,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
       }
     }
     // This tile's dQ = dS K (16 query rows x kHalf columns), added to the accumulator from
-    // registers: two columns per atomic on Hopper.
+    // registers: two columns per atomic on Hopper. Deterministic mode: the whole CTA's adds of
+    // the tile in key-block order (dq_order.cuh), atomics still, one block at a time.
+    int* dq_counter = nullptr;
+    if (p.deterministic) {
+      dq_counter = DqTileCounter(dq_tile_counters, query_tiles, p.num_heads, h, i0);
+      if (threadIdx.x == 0) WaitForTurn(dq_counter, DqTurn(p, seq, i0, kBlockK));
+      __syncthreads();
+    }
     {
       float dq[kColTiles][4] = {};
 #pragma unroll
@@ -337,6 +346,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
 #endif
         }
       }
+    }
+    if (p.deterministic) {
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) PassTurn(dq_counter);
     }
   }
 

@@ -95,8 +95,7 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
       if (err != cudaErrorNotSupported || pinned != FusedKernel::kAuto) return err;
     }
   }
-  if (pinned == FusedKernel::kSm90Lockstep || pinned == FusedKernel::kSm90Tma ||
-      params.deterministic) {
+  if (pinned == FusedKernel::kSm90Lockstep || pinned == FusedKernel::kSm90Tma) {
     return cudaErrorNotSupported;
   }
   using backward::kBlockK;
@@ -104,7 +103,8 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
                   static_cast<unsigned>(params.num_kv_heads), static_cast<unsigned>(params.batch));
   return LaunchWithSharedMemory(&backward::BackwardKernel<T, kHeadDim>, grid, backward::kThreads,
                                 sizeof(backward::SharedTiles<T, kHeadDim>), stream, params,
-                                work.delta, work.dq_accum, aligned_inputs, aligned_outputs);
+                                work.delta, work.dq_accum, work.dq_tile_counters, work.query_tiles,
+                                aligned_inputs, aligned_outputs);
 }
 
 }  // namespace attn::cuda

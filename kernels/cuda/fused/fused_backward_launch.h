@@ -17,13 +17,12 @@ struct FusedBackwardWorkspace {
   const float* delta = nullptr;     // D [num_heads, total_q]
   float* dq_accum = nullptr;        // zeroed, [total_q, num_heads, head_dim]
   int* dq_tile_counters = nullptr;  // deterministic mode: zeroed, [batch, num_heads, query_tiles]
-  int64_t query_tiles = 0;          // per (sequence, head), of Sm90BackwardBlockM rows
+  int64_t query_tiles = 0;          // per (sequence, head), of kDqCounterRows rows
 };
 
 // The kernel params.kernel pins (kAuto: the Hopper kernel where it can run, else the portable
 // one). The aligned flags say whether Q, K, V and dO (inputs) and dK and dV (outputs) keep every
-// row 16-byte aligned. cudaErrorNotSupported when the pinned kernel cannot run here, or when
-// deterministic mode is asked of a kernel that adds dQ with atomics (the portable one).
+// row 16-byte aligned. cudaErrorNotSupported when the pinned kernel cannot run here.
 template <DType kDType, int kHeadDim>
 cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
                                    const FusedBackwardWorkspace& work, bool aligned_inputs,

@@ -21,10 +21,7 @@
 // in the A-fragment layout dV's and dK's MMAs read from registers; dQ reads dS^T and K where
 // they lie, both MN-major.
 //
-// Deterministic mode: the CTAs that meet one (sequence, head, query tile) add its dQ rows in
-// key-block order, each waiting on a counter of the tile until the blocks below it are done.
-// Blocks of one (KV head, sequence) are launched in key-block order (blockIdx.x runs fastest),
-// so the block waited for is resident or finished.
+// Deterministic mode (dq_order.cuh): the dQ warp adds a tile's rows in key-block order.
 #pragma once
 
 #include <cuda.h>
@@ -34,6 +31,7 @@
 
 #include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
+#include "cuda/fused/dq_order.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/heuristics.h"
 #include "cuda/fused/ptx.cuh"
@@ -90,8 +88,8 @@ struct FusedBackwardTmaParams {
   FusedBackwardParams p;
   const float* delta = nullptr;     // D [num_heads, total_q]
   float* dq_accum = nullptr;        // [total_q, num_heads, head_dim]
-  int* dq_tile_counters = nullptr;  // deterministic mode: [batch, num_heads, query tiles]
-  int64_t query_tiles = 0;          // per (sequence, head): ceil(max_seqlen_q / kBlockM)
+  int* dq_tile_counters = nullptr;  // deterministic mode: [batch, num_heads, query_tiles]
+  int64_t query_tiles = 0;          // per (sequence, head), of kDqCounterRows rows
   bool aligned_outputs = false;     // dK, dV rows 4-byte aligned for paired stores
   CUtensorMap q_map;
   CUtensorMap k_map;
@@ -146,26 +144,6 @@ struct QueryTiles {
     return first_row0 + (t % per_head) * block_m;
   }
 };
-
-// The lowest key block that meets query tile [row0, row0 + block_m): where the dQ of the tile
-// starts in deterministic order. Only the left window bounds it (see QueryTiles).
-__device__ __forceinline__ int64_t FirstKeyBlockOf(const FusedBackwardParams& p,
-                                                   const SequenceView<int64_t>& seq, int64_t row0,
-                                                   int block_n) {
-  if (p.window_left < 0) return 0;
-  const int64_t first_key = row0 + seq.seqlen_k - seq.seqlen_q - p.window_left;
-  return first_key > 0 ? first_key / block_n : 0;
-}
-
-__device__ __forceinline__ int LoadAcquire(const int* counter) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void IncrementRelease(int* counter) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
-}
 
 // The stage and phase parity of the t-th tile of the ring.
 template <int kStages>
@@ -320,12 +298,9 @@ __device__ __forceinline__ void ReduceQueryGradients(const FusedBackwardTmaParam
       tma::BulkCommit();
       tma::BulkWaitRead();
     } else if (lane == 0) {
-      int* counter = params.dq_tile_counters +
-                     (int64_t{blockIdx.z} * p.num_heads + head) * params.query_tiles +
-                     row0 / Traits::kBlockM;
-      const int64_t turn = blockIdx.x - FirstKeyBlockOf(p, seq, row0, Traits::kBlockN);
-      while (LoadAcquire(counter) != turn) {
-      }
+      int* counter =
+          DqTileCounter(params.dq_tile_counters, params.query_tiles, p.num_heads, head, row0);
+      WaitForTurn(counter, DqTurn(p, seq, row0, Traits::kBlockN));
       tma::FenceGlobalAfterBulk();
       for (int r = 0; r < rows; ++r) {
         tma::ReduceAddF32(dq_rows + r * row_stride, staged + r * kStagedRowBytes, kRowBytes);
@@ -333,7 +308,7 @@ __device__ __forceinline__ void ReduceQueryGradients(const FusedBackwardTmaParam
       tma::BulkCommit();
       tma::BulkWait();
       tma::FenceGlobalAfterBulk();
-      IncrementRelease(counter);
+      PassTurn(counter);
     }
     __syncwarp();
     // Every barrier's arrivals match its waits: the consumers wait once per tile.
