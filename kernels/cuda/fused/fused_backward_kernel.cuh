@@ -145,7 +145,10 @@ __device__ __forceinline__ void MmaTilePair(float (&acc)[kTiles][4], int n, cons
   ptx::Mma16816<T>(acc[n + 1], a, b[2], b[3]);
 }
 
-template <typename T, int D>
+// kDeterministic: dQ added in key-block order (dq_order.cuh). A template parameter, so that the
+// default kernel carries none of its code: as a runtime branch it cost the default 11-13% on the
+// H200 (more spills at d = 128).
+template <typename T, int D, bool kDeterministic>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     BackwardKernel(const FusedBackwardParams p, const float* delta, float* dq_accum,
                    int* dq_tile_counters, int64_t query_tiles, bool aligned_inputs,
@@ -313,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     // registers: two columns per atomic on Hopper. Deterministic mode: the whole CTA's adds of
     // the tile in key-block order (dq_order.cuh), atomics still, one block at a time.
     int* dq_counter = nullptr;
-    if (p.deterministic) {
+    if constexpr (kDeterministic) {
       dq_counter = DqTileCounter(dq_tile_counters, query_tiles, p.num_heads, h, i0);
       if (threadIdx.x == 0) WaitForTurn(dq_counter, DqTurn(p, seq, i0, kBlockK));
       __syncthreads();
@@ -347,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
         }
       }
     }
-    if (p.deterministic) {
+    if constexpr (kDeterministic) {
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) PassTurn(dq_counter);

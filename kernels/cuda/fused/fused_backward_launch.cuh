@@ -101,7 +101,9 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
   using backward::kBlockK;
   const dim3 grid(static_cast<unsigned>((params.max_seqlen_k + kBlockK - 1) / kBlockK),
                   static_cast<unsigned>(params.num_kv_heads), static_cast<unsigned>(params.batch));
-  return LaunchWithSharedMemory(&backward::BackwardKernel<T, kHeadDim>, grid, backward::kThreads,
+  const auto kernel = params.deterministic ? &backward::BackwardKernel<T, kHeadDim, true>
+                                           : &backward::BackwardKernel<T, kHeadDim, false>;
+  return LaunchWithSharedMemory(kernel, grid, backward::kThreads,
                                 sizeof(backward::SharedTiles<T, kHeadDim>), stream, params,
                                 work.delta, work.dq_accum, work.dq_tile_counters, work.query_tiles,
                                 aligned_inputs, aligned_outputs);
