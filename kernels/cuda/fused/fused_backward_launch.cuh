@@ -5,8 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "cuda/common/element_convert.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/fused/capabilities.h"
@@ -35,17 +33,8 @@ cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
   }
   const auto view = [&](const void* data, int64_t seqlen, int64_t total, int heads,
                         int64_t token_stride, int64_t head_stride) {
-    TokenTensorView v;
-    v.data = data;
-    v.dtype = p.dtype;
-    v.head_dim = Traits::kHeadDim;
-    v.rows = std::max<int64_t>(1, varlen ? total : seqlen);
-    v.heads = heads;
-    v.sequences = varlen ? 1 : p.batch;
-    v.token_stride = token_stride;
-    v.head_stride = head_stride;
-    v.sequence_stride = seqlen * token_stride;
-    return v;
+    return BatchTensorView(p, data, Traits::kHeadDim, seqlen, total, heads, token_stride,
+                           head_stride);
   };
   FusedBackwardTmaParams params;
   params.p = p;

@@ -5,8 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-
 #include "cuda/common/element_convert.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/fused/capabilities.h"
@@ -17,6 +15,7 @@
 #include "cuda/fused/paged_prefill_kernel.cuh"
 #include "cuda/fused/paged_prefill_sm90_kernel.cuh"
 #include "cuda/fused/paged_traits.h"
+#include "cuda/fused/sm90a_usable.cuh"
 
 namespace attn::cuda {
 
@@ -24,30 +23,6 @@ constexpr int Log2(int power_of_two) {
   int shift = 0;
   while ((1 << shift) < power_of_two) ++shift;
   return shift;
-}
-
-// True when the current device runs sm_90a machine code of the Hopper paged prefill: a Hopper
-// GPU and a build that included the sm_90a target (otherwise the kernel body is compiled out).
-// Remembered per device ordinal.
-template <typename Traits>
-bool PagedSm90Usable() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int8_t> usable[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  int8_t known = usable[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    cudaFuncAttributes attributes{};
-    int major = 0;
-    const bool yes =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-        major == 9 &&
-        cudaFuncGetAttributes(&attributes, &PagedPrefillSm90Kernel<Traits, true>) == cudaSuccess &&
-        attributes.binaryVersion == 90;
-    known = yes ? 1 : -1;
-    usable[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 1;
 }
 
 // One CTA per (query block, head, sequence), as the dense forward (QueryBlock).
@@ -67,7 +42,8 @@ cudaError_t RunPagedForward(const PagedForwardParams& params, cudaStream_t strea
       constexpr Sm90TileShape kShape = Sm90FusedTileShape(kHeadDim);
       using Sm90Traits =
           FusedForwardSm90Traits<Element, kHeadDim, kShape.block_n, kShape.ctas_per_sm>;
-      if (params.kernel == FusedKernel::kAuto && PagedSm90Usable<Sm90Traits>()) {
+      if (params.kernel == FusedKernel::kAuto &&
+          Sm90aKernelUsable<&PagedPrefillSm90Kernel<Sm90Traits, true>>()) {
         return LaunchPagedPrefill<Sm90Traits>(&PagedPrefillSm90Kernel<Sm90Traits, true>,
                                               &PagedPrefillSm90Kernel<Sm90Traits, false>, params,
                                               stream);

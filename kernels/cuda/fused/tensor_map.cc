@@ -2,6 +2,8 @@
 
 #include <cudaTypedefs.h>
 
+#include <algorithm>
+
 namespace attn::cuda {
 namespace {
 
@@ -24,6 +26,23 @@ bool ValidStride(int64_t bytes) {
 }
 
 }  // namespace
+
+TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, int head_dim,
+                                int64_t seqlen, int64_t total, int heads, int64_t token_stride,
+                                int64_t head_stride) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  TokenTensorView v;
+  v.data = data;
+  v.dtype = p.dtype;
+  v.head_dim = head_dim;
+  v.rows = std::max<int64_t>(1, varlen ? total : seqlen);
+  v.heads = heads;
+  v.sequences = varlen ? 1 : p.batch;
+  v.token_stride = token_stride;
+  v.head_stride = head_stride;
+  v.sequence_stride = seqlen * token_stride;
+  return v;
+}
 
 cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = Encoder();

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "attn/dtype.h"
+#include "cuda/fused/fused_forward.h"
 
 namespace attn::cuda {
 
@@ -27,6 +28,13 @@ struct TokenTensorView {
   int64_t head_stride = 0;      // elements
   int64_t sequence_stride = 0;  // elements; read only when sequences > 1
 };
+
+// The view of one of `p`'s [tokens, heads, head_dim] tensors: a dense batch as p.batch
+// sequences of `seqlen` rows, a variable-length one as one sequence of its `total` rows (one row
+// at least: a map needs one, and a problem without keys never reads it).
+TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, int head_dim,
+                                int64_t seqlen, int64_t total, int heads, int64_t token_stride,
+                                int64_t head_stride);
 
 // Encodes the map of `view` with boxes of 64 columns (128 bytes, the 128-byte swizzle's span)
 // by `box_rows` rows of one head of one sequence, stored 128-byte swizzled; elements outside the

@@ -192,19 +192,26 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
       "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]),         \
       "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-// D[64 x N] (+)= A[64 x 16] * B[N x 16]^T, A and B K-major in shared memory; D is overwritten
-// when `accumulate` is 0. Operands after the NACC accumulators: descriptors, then the flag.
-#define ATTN_DEFINE_WGMMA_SS(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX)                      \
-  __device__ __forceinline__ void MmaSS_##N(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b, \
-                                            int accumulate, ELEMENT) {                         \
-    ATTN_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG                                  \
-                   ", 0;\n"                                                                    \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX               \
-                   " " ATTN_WGMMA_ACC_REGS_##NACC ", %" #DESC_A ", %" #DESC_B                  \
-                                                  ", p, 1, 1, 0, 0;\n}\n"                      \
-                   : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                         \
-                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                               \
+// D[64 x N] (+)= A[64 x 16] * B[N x 16]^T from shared memory; D is overwritten when
+// `accumulate` is 0. Operands after the NACC accumulators: descriptors, then the flag. TRANS is
+// the instruction's transpose pair: "0, 0" for A and B K-major (MmaSS_N), "1, 1" for both
+// MN-major (MmaSSMnMajor_N: A's 64 rows contiguous, B's N columns contiguous, as the backward's
+// dQ = dS K reads dS^T and K where they lie).
+#define ATTN_DEFINE_WGMMA_SS_NAMED(NAME, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, TRANS)      \
+  __device__ __forceinline__ void NAME(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,         \
+                                       int accumulate, ELEMENT) {                                 \
+    ATTN_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG                                     \
+                   ", 0;\n"                                                                       \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX                  \
+                   " " ATTN_WGMMA_ACC_REGS_##NACC ", %" #DESC_A ", %" #DESC_B ", p, 1, 1, " TRANS \
+                                                  ";\n}\n"                                        \
+                   : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                            \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                  \
   }
+#define ATTN_DEFINE_WGMMA_SS(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX) \
+  ATTN_DEFINE_WGMMA_SS_NAMED(MmaSS_##N, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, "0, 0")
+#define ATTN_DEFINE_WGMMA_SS_MN_MAJOR(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX) \
+  ATTN_DEFINE_WGMMA_SS_NAMED(MmaSSMnMajor_##N, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, "1, 1")
 
 // D[64 x N] += A[64 x 16] * B[16 x N], A in registers (per warp, the mma.sync m16n8k16
 // A-fragment layout of its 16 rows), B MN-major in shared memory.
@@ -218,20 +225,6 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
                                                   "}, %" #DESC_B ", p, 1, 1, 1;\n}\n"      \
                    : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                     \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));     \
-  }
-
-// D[64 x N] (+)= A[64 x 16] * B[16 x N] with both operands MN-major in shared memory (A's 64
-// rows contiguous, B's N columns contiguous: the backward's dQ = dS K reads dS^T and K as stored).
-#define ATTN_DEFINE_WGMMA_SS_MN_MAJOR(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX)             \
-  __device__ __forceinline__ void MmaSSMnMajor_##N(float(&d)[NACC], uint64_t desc_a,           \
-                                                   uint64_t desc_b, int accumulate, ELEMENT) { \
-    ATTN_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG                                  \
-                   ", 0;\n"                                                                    \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX               \
-                   " " ATTN_WGMMA_ACC_REGS_##NACC ", %" #DESC_A ", %" #DESC_B                  \
-                                                  ", p, 1, 1, 1, 1;\n}\n"                      \
-                   : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                         \
-                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                               \
   }
 
 #ifdef ATTN_WGMMA_AVAILABLE
@@ -267,6 +260,7 @@ ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __nv_bfloat16, "bf16")
 #undef ATTN_DEFINE_WGMMA_SS
 #undef ATTN_DEFINE_WGMMA_RS
 #undef ATTN_DEFINE_WGMMA_SS_MN_MAJOR
+#undef ATTN_DEFINE_WGMMA_SS_NAMED
 #undef ATTN_WGMMA_ASM
 
 }  // namespace attn::cuda::wgmma
