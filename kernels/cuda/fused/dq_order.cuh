@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "cuda/fused/backward_tiles.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/sequence.cuh"
 
@@ -15,16 +16,6 @@ namespace attn::cuda {
 // Query tiles of this many rows index the counters (the portable kernel's tile; the Hopper
 // kernel's tiles are whole multiples of it).
 inline constexpr int kDqCounterRows = 64;
-
-// The lowest key block of `block_n` keys that meets query tile [row0, row0 + rows): only the
-// left window bounds it (a block meets the tiles from its first visible row to its last).
-__device__ __forceinline__ int64_t FirstKeyBlockOf(const FusedBackwardParams& p,
-                                                   const SequenceView<int64_t>& seq, int64_t row0,
-                                                   int block_n) {
-  if (p.window_left < 0) return 0;
-  const int64_t first_key = row0 + seq.seqlen_k - seq.seqlen_q - p.window_left;
-  return first_key > 0 ? first_key / block_n : 0;
-}
 
 // The counter of query tile `row0` of head `head` of sequence blockIdx.z.
 __device__ __forceinline__ int* DqTileCounter(int* counters, int64_t query_tiles, int num_heads,

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
 // atomics and bulk reductions, then the accumulator, then the deterministic mode's counters.
 int64_t DeltaFloats(int64_t rows) { return (rows + 3) / 4 * 4; }
 
-int64_t QueryTiles(int64_t max_seqlen_q) {
+int64_t DqCounterTiles(int64_t max_seqlen_q) {
   return (max_seqlen_q + kDqCounterRows - 1) / kDqCounterRows;
 }
 
@@ -76,7 +76,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
   work.delta = delta;
   work.dq_accum = delta + DeltaFloats(rows);
   work.dq_tile_counters = reinterpret_cast<int*>(work.dq_accum + accum_elems);
-  work.query_tiles = QueryTiles(p.max_seqlen_q);
+  work.query_tiles = DqCounterTiles(p.max_seqlen_q);
   if (cudaError_t e = cudaMemsetAsync(work.dq_accum, 0, accum_elems * sizeof(float), stream);
       e != cudaSuccess) {
     return e;
@@ -116,7 +116,7 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
 
 int64_t FusedBackwardWorkspaceBytes(const AttentionProblem& p) {
   const int64_t rows = p.total_q() * p.num_heads;
-  const int64_t counters = int64_t{p.batch()} * p.num_heads * QueryTiles(p.max_seqlen_q());
+  const int64_t counters = int64_t{p.batch()} * p.num_heads * DqCounterTiles(p.max_seqlen_q());
   return (DeltaFloats(rows) + rows * p.head_dim) * static_cast<int64_t>(sizeof(float)) +
          counters * static_cast<int64_t>(sizeof(int));
 }

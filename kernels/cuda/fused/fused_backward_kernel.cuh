@@ -14,6 +14,7 @@
 
 #include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
+#include "cuda/fused/backward_tiles.cuh"
 #include "cuda/fused/dq_order.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/ptx.cuh"
@@ -87,9 +88,6 @@ __device__ void LoadTileAsync(T (*tile)[D + kPadHalf], const T* base, int64_t to
     ptx::CopyAsync16(ptx::SharedAddress(&tile[r][c]), src, in);
   }
 }
-
-__device__ __forceinline__ int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t Max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // Two CTAs per SM where their shared memory fits (on Hopper every head_dim, d = 128 with one
 // stage; on an A100 d <= 64): the register cap that brings (128 per thread) measured faster
@@ -182,27 +180,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
   LoadTile<T, D, kBlockK>(sm.v, static_cast<const T*>(p.v), p.v_token_stride,
                           kv_head * p.v_head_stride, seq.k_start + k0, keys, aligned_inputs);
 
-  // The query rows whose window can reach this key block (query row i sits at key position
-  // i + lk - lq); the per-row ranges below trim the rest.
-  const int64_t shift = seq.seqlen_k - seq.seqlen_q;
-  int64_t first_row = 0, end_row = seq.seqlen_q;
-  if (p.window_right >= 0) first_row = Max64(0, k0 - p.window_right - shift);
-  if (p.window_left >= 0) end_row = Min64(seq.seqlen_q, k0 + keys + p.window_left - shift);
-
   float dk[kColTiles][4] = {}, dv[kColTiles][4] = {};
 
-  // The query tiles this block meets, head by head of its group: tiles_per_head of them from
-  // first_i0 on. Tile t + 1's Q, dO, LSE and D load (cp.async) while tile t runs.
+  // The query tiles this block meets, head by head of its group. Tile t + 1's Q, dO, LSE and D
+  // load (cp.async) while tile t runs.
   constexpr int kStages = kStagesFor<D>;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int64_t first_i0 = first_row / kBlockQ * kBlockQ;
-  const int64_t tiles_per_head =
-      end_row > first_i0 ? (end_row - first_i0 + kBlockQ - 1) / kBlockQ : 0;
-  const int64_t tiles = tiles_per_head * group;
-  const auto tile_head = [&](int64_t t) {
-    return kv_head * group + static_cast<int>(t / tiles_per_head);
-  };
-  const auto tile_row0 = [&](int64_t t) { return first_i0 + (t % tiles_per_head) * kBlockQ; };
+  const QueryTiles block_tiles(p, seq, k0, keys, kBlockQ);
+  const int64_t tiles = block_tiles.count;
+  const auto tile_head = [&](int64_t t) { return block_tiles.head(t, kv_head); };
+  const auto tile_row0 = [&](int64_t t) { return block_tiles.row0(t, kBlockQ); };
   const auto issue = [&](int64_t t) {
     const int stage = static_cast<int>(t % kStages);
     const int h = tile_head(t);

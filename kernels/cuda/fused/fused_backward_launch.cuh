@@ -31,11 +31,6 @@ cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
       (varlen && p.total_k <= 0)) {
     return cudaErrorNotSupported;
   }
-  const auto view = [&](const void* data, int64_t seqlen, int64_t total, int heads,
-                        int64_t token_stride, int64_t head_stride) {
-    return BatchTensorView(p, data, Traits::kHeadDim, seqlen, total, heads, token_stride,
-                           head_stride);
-  };
   FusedBackwardTmaParams params;
   params.p = p;
   params.delta = work.delta;
@@ -43,23 +38,12 @@ cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
   params.dq_tile_counters = work.dq_tile_counters;
   params.query_tiles = work.query_tiles;
   params.aligned_outputs = aligned_outputs;
-  cudaError_t err = EncodeTokenTensorMap(
-      view(p.q, p.seqlen_q, p.total_q, p.num_heads, p.q_token_stride, p.q_head_stride),
-      Traits::kBlockM, &params.q_map);
+  cudaError_t err = EncodeQkvTensorMaps(p, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN,
+                                        &params.q_map, &params.k_map, &params.v_map);
   if (err == cudaSuccess) {
-    err = EncodeTokenTensorMap(
-        view(p.d_o, p.seqlen_q, p.total_q, p.num_heads, p.do_token_stride, p.do_head_stride),
-        Traits::kBlockM, &params.do_map);
-  }
-  if (err == cudaSuccess) {
-    err = EncodeTokenTensorMap(
-        view(p.k, p.seqlen_k, p.total_k, p.num_kv_heads, p.k_token_stride, p.k_head_stride),
-        Traits::kBlockN, &params.k_map);
-  }
-  if (err == cudaSuccess) {
-    err = EncodeTokenTensorMap(
-        view(p.v, p.seqlen_k, p.total_k, p.num_kv_heads, p.v_token_stride, p.v_head_stride),
-        Traits::kBlockN, &params.v_map);
+    err = EncodeTokenTensorMap(BatchTensorView(p, p.d_o, Traits::kHeadDim, p.seqlen_q, p.total_q,
+                                               p.num_heads, p.do_token_stride, p.do_head_stride),
+                               Traits::kBlockM, &params.do_map);
   }
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN),

@@ -31,6 +31,7 @@
 
 #include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
+#include "cuda/fused/backward_tiles.cuh"
 #include "cuda/fused/dq_order.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/heuristics.h"
@@ -114,34 +115,6 @@ struct Barriers {
   __device__ __forceinline__ uint32_t full(int stage) const { return base + 8 * (1 + stage); }
   __device__ __forceinline__ uint32_t empty(int stage) const {
     return base + 8 * (1 + Traits::kStages + stage);
-  }
-};
-
-__device__ __forceinline__ int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t Max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// The query tiles a key block meets, head by head of its KV head's group: per_head of them from
-// first_row0 on (the rows whose window can reach the block; per-element masks trim the rest).
-struct QueryTiles {
-  int64_t first_row0 = 0, per_head = 0, count = 0;
-  int group = 1;
-
-  __device__ QueryTiles(const FusedBackwardParams& p, const SequenceView<int64_t>& seq, int64_t k0,
-                        int64_t keys, int block_m) {
-    const int64_t shift = seq.seqlen_k - seq.seqlen_q;
-    int64_t first_row = 0, end_row = seq.seqlen_q;
-    if (p.window_right >= 0) first_row = Max64(0, k0 - p.window_right - shift);
-    if (p.window_left >= 0) end_row = Min64(seq.seqlen_q, k0 + keys + p.window_left - shift);
-    first_row0 = first_row / block_m * block_m;
-    per_head = end_row > first_row0 ? (end_row - first_row0 + block_m - 1) / block_m : 0;
-    group = p.num_heads / p.num_kv_heads;
-    count = per_head * group;
-  }
-  __device__ int head(int64_t t, int kv_head) const {
-    return kv_head * group + static_cast<int>(t / per_head);
-  }
-  __device__ int64_t row0(int64_t t, int block_m) const {
-    return first_row0 + (t % per_head) * block_m;
   }
 };
 
@@ -548,7 +521,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             make_float2(dq[m][n * 4 + 2] * p.scale, dq[m][n * 4 + 3] * p.scale);
       }
     }
-    tma::FenceSharedForBulk();
+    wgmma::FenceSharedForAsyncProxy();
     tma::NamedBarrierArrive(kDqStagedBarrier, kDqHandoffThreads);
   }
 

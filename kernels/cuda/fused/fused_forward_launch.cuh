@@ -43,26 +43,10 @@ cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t 
       (p.total_q >= (int64_t{1} << 31) || p.total_k >= (int64_t{1} << 31) || p.total_k <= 0)) {
     return cudaErrorNotSupported;
   }
-  const auto view = [&](const void* data, int64_t seqlen, int64_t total, int heads,
-                        int64_t token_stride, int64_t head_stride) {
-    return BatchTensorView(p, data, Traits::kHeadDim, seqlen, total, heads, token_stride,
-                           head_stride);
-  };
   FusedForwardTmaParams params;
   params.p = p;
-  cudaError_t err = EncodeTokenTensorMap(
-      view(p.q, p.seqlen_q, p.total_q, p.num_heads, p.q_token_stride, p.q_head_stride),
-      Traits::kBlockM, &params.q_map);
-  if (err == cudaSuccess) {
-    err = EncodeTokenTensorMap(
-        view(p.k, p.seqlen_k, p.total_k, p.num_kv_heads, p.k_token_stride, p.k_head_stride),
-        Traits::kBlockN, &params.k_map);
-  }
-  if (err == cudaSuccess) {
-    err = EncodeTokenTensorMap(
-        view(p.v, p.seqlen_k, p.total_k, p.num_kv_heads, p.v_token_stride, p.v_head_stride),
-        Traits::kBlockN, &params.v_map);
-  }
+  const cudaError_t err = EncodeQkvTensorMaps(p, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN,
+                                              &params.q_map, &params.k_map, &params.v_map);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.num_heads, p.batch);
   return LaunchWithSharedMemory(kKernel, grid, Traits::kThreads, Traits::kSmemBytes, stream,

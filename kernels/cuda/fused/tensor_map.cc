@@ -78,4 +78,24 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
+cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q_box_rows,
+                                int kv_box_rows, CUtensorMap* q_map, CUtensorMap* k_map,
+                                CUtensorMap* v_map) {
+  cudaError_t err =
+      EncodeTokenTensorMap(BatchTensorView(p, p.q, head_dim, p.seqlen_q, p.total_q, p.num_heads,
+                                           p.q_token_stride, p.q_head_stride),
+                           q_box_rows, q_map);
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(BatchTensorView(p, p.k, head_dim, p.seqlen_k, p.total_k,
+                                               p.num_kv_heads, p.k_token_stride, p.k_head_stride),
+                               kv_box_rows, k_map);
+  }
+  if (err == cudaSuccess) {
+    err = EncodeTokenTensorMap(BatchTensorView(p, p.v, head_dim, p.seqlen_k, p.total_k,
+                                               p.num_kv_heads, p.v_token_stride, p.v_head_stride),
+                               kv_box_rows, v_map);
+  }
+  return err;
+}
+
 }  // namespace attn::cuda

@@ -36,6 +36,12 @@ TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, i
                                 int64_t seqlen, int64_t total, int heads, int64_t token_stride,
                                 int64_t head_stride);
 
+// The maps of `p`'s Q (boxes of `q_box_rows` rows) and K and V (`kv_box_rows`), each through
+// BatchTensorView and EncodeTokenTensorMap: the first error, or cudaSuccess.
+cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q_box_rows,
+                                int kv_box_rows, CUtensorMap* q_map, CUtensorMap* k_map,
+                                CUtensorMap* v_map);
+
 // Encodes the map of `view` with boxes of 64 columns (128 bytes, the 128-byte swizzle's span)
 // by `box_rows` rows of one head of one sequence, stored 128-byte swizzled; elements outside the
 // tensor arrive as zeros, columns past a head_dim that is not a multiple of 64 (96) as well.

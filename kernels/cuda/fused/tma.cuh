@@ -36,13 +36,6 @@ __device__ __forceinline__ void ArriveExpectBytes(uint32_t bar, uint32_t bytes) 
                 : "memory");
 }
 
-// Announces `bytes` of copies completing on the current phase without arriving: the arrival
-// comes later, once the thread's own shared-memory writes for the phase are done.
-__device__ __forceinline__ void ExpectBytes(uint32_t bar, uint32_t bytes) {
-  ATTN_SM90_ASM("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                : "memory");
-}
-
 __device__ __forceinline__ void Arrive(uint32_t bar) {
   ATTN_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
@@ -103,11 +96,6 @@ __device__ __forceinline__ void BulkWaitRead() {
 // Until this thread's bulk groups are complete, their writes performed.
 __device__ __forceinline__ void BulkWait() {
   ATTN_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
-
-// Orders this thread's generic-proxy shared-memory writes before its later bulk copies.
-__device__ __forceinline__ void FenceSharedForBulk() {
-  ATTN_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // Orders the async proxy's completed global writes before this thread's later generic accesses.

@@ -58,7 +58,8 @@ __device__ __forceinline__ void WaitGroup() {
 #endif
 }
 
-// Makes this thread's ordinary shared-memory writes (cp.async included) visible to wgmma.
+// Makes this thread's ordinary shared-memory writes (cp.async included) visible to the async
+// proxy: to wgmma, and to the bulk copies that read shared memory.
 __device__ __forceinline__ void FenceSharedForAsyncProxy() {
 #ifdef ATTN_WGMMA_AVAILABLE
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
