@@ -16,9 +16,10 @@
 
 namespace attn::cuda {
 
-// The Hopper kernel: tensor maps of Q, dO (64-row boxes) and K, V (128-row boxes), then one CTA
-// per (128-key block, KV head, sequence). cudaErrorNotSupported when it cannot run here (no
-// sm_90a code for this device, no tensor-map encoder, tensors the copy engine cannot address).
+// The Hopper kernel: tensor maps of Q, dO (kBlockM-row boxes), K, V (128-row boxes) and the dQ
+// accumulator (64-row boxes), then one CTA per (128-key block, KV head, sequence).
+// cudaErrorNotSupported when it cannot run here (no sm_90a code for this device, no tensor-map
+// encoder, tensors the copy engine cannot address).
 template <typename Traits>
 cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
                                     const FusedBackwardWorkspace& work, bool aligned_outputs,
@@ -44,6 +45,13 @@ cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
     err = EncodeTokenTensorMap(BatchTensorView(p, p.d_o, Traits::kHeadDim, p.seqlen_q, p.total_q,
                                                p.num_heads, p.do_token_stride, p.do_head_stride),
                                Traits::kBlockM, &params.do_map);
+  }
+  if (err == cudaSuccess) {
+    TokenTensorView dq =
+        BatchTensorView(p, work.dq_accum, Traits::kHeadDim, p.seqlen_q, p.total_q, p.num_heads,
+                        int64_t{p.num_heads} * Traits::kHeadDim, Traits::kHeadDim);
+    dq.dtype = DType::kF32;
+    err = EncodeTokenTensorMap(dq, 64, &params.dq_map);
   }
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN),

@@ -1,33 +1,37 @@
 // The Hopper backward (sm_90a): the algorithm of fused_backward_kernel.cuh (see fused_backward.h)
 // with its loads on the copy engine, its five matrix products on warpgroup MMA, and each query
-// tile's dQ added into the float32 accumulator by bulk reductions of whole rows instead of
-// per-element atomics.
+// tile's dQ added into the float32 accumulator by the copy engine, a few tensor boxes a tile,
+// instead of per-element atomics.
 //
 // A CTA owns kBlockN = 128 keys of one (sequence, KV head) and runs three warpgroups:
 //   - the producer warpgroup: one thread loads K and V by TMA once, then each query tile's Q and
 //     dO into a kStages ring of `full` / `empty` mbarriers; a second warp adds each tile's
-//     staged dQ rows into the accumulator (cp.reduce.async.bulk), in key-block order when
-//     deterministic, so that the consumers never wait on global memory;
-//   - two consumer warpgroups of 64 keys each, which per query tile of kBlockM rows compute
+//     staged dQ into the accumulator (cp.reduce.async.bulk.tensor, 64-row x 32-column boxes),
+//     in key-block order when deterministic, so that the consumers never wait on global memory;
+//   - two consumer warpgroups of 64 keys each, which per query tile t of kBlockM rows compute
 //       S^T = K Q^T and dP^T = V dO^T               (both queued at once)
 //       P^T = exp2(S^T scale log2(e) - LSE)  and  dS^T = P^T (dP^T - D)
 //       dV += P^T dO  and  dK += dS^T Q            (P^T, dS^T from registers)
-//       dS^T into shared memory; the two warpgroups meet
-//       dQ[:, half] = dS K[:, half]                 (each warpgroup half of head_dim)
-//       dQ scale staged in shared memory (float32) for the dQ warp.
-//     They load the next tile's LSE (base 2) and D rows themselves while this tile's products
-//     run, into one of two slots that the barrier after dS^T publishes.
+//       dQ of tile t - 1 = dS K                     (64 x 64 of it per warpgroup)
+//       dS^T of tile t into one of two shared buffers
+//       dQ of tile t - 1, scaled, staged in shared memory (float32) for the dQ warp.
+//     dQ needs both warpgroups' dS^T, so it runs a tile late: by then the other warpgroup has
+//     long stored its half, and the two warpgroups never wait for each other inside a tile.
+//     Running apart, one's exponentials and elementwise work overlap the other's MMAs. Each
+//     warpgroup loads the next tile's LSE (base 2) and D rows itself while this tile's products
+//     run, into the other of its two slots.
 // Keys are the MMA rows (S^T rather than S) so that P^T and dS^T come out of the accumulators
 // in the A-fragment layout dV's and dK's MMAs read from registers; dQ reads dS^T and K where
 // they lie, both MN-major.
 //
-// Deterministic mode (dq_order.cuh): the dQ warp adds a tile's rows in key-block order.
+// Deterministic mode (dq_order.cuh): the dQ warp adds a tile's boxes in key-block order.
 #pragma once
 
 #include <cuda.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
@@ -55,30 +59,40 @@ struct FusedBackwardSm90Traits {
   static constexpr int kColumnBlocks = kHeadDim / 64;      // 128-byte column blocks of a row
   static constexpr int kDTiles = kHeadDim / 8;             // 8-column tiles of dK, dV
   static constexpr int kQTiles = kBlockM / 8;              // 8-query column tiles of S^T
-  static constexpr int kQuerySlices = kBlockM / 64;        // m64 slices of dQ
-  static constexpr int kDqColumns = kHeadDim / kConsumerWarpGroups;  // each warpgroup's dQ
-  // Staged dQ rows are padded by 16 bytes (fewer bank conflicts; rows stay 16-byte aligned for
-  // the bulk reduction).
-  static constexpr int kDqRowFloats = kHeadDim + 4;
+  static constexpr int kQuerySlices = kBlockM / 64;        // m64 slices of a tile's queries
+  // Each warpgroup computes 64 x 64 of a tile's dQ: a query slice of every column when the tile
+  // has a slice per warpgroup (head_dim 64), else half the columns of the one slice.
+  static constexpr bool kDqSplitsRows = kQuerySlices == kConsumerWarpGroups;
+  static constexpr int kDqColumns = kDqSplitsRows ? kHeadDim : kHeadDim / kConsumerWarpGroups;
+  // A warpgroup's staged 64 x 64 dQ block: two boxes of the accumulator's tensor map, 64 rows of
+  // 32 floats (128 bytes) each, stored 128-byte swizzled as the copy engine reads them (the
+  // swizzle also spreads the consumers' stores over the banks).
+  static constexpr int kDqBoxColumns = 32;
+  static constexpr int kDqBoxBytes = 64 * kDqBoxColumns * 4;
+  static constexpr int kDqBlockBytes = 64 * kDqColumns * 4;
   static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
-  // K, V, the Q stages, the dO stages and dS^T (128-byte swizzled, each tile and column block
-  // 1024-byte aligned); staged dQ; two slots of LSE rows and of D rows; the mbarriers: K/V
-  // full, then per stage full and empty.
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  // A slot of row statistics: the tile's LSE (base 2) rows, then its D rows.
+  static constexpr int kStatsFloats = 2 * kBlockM;
+  // K, V, the Q stages, the dO stages and two dS^T buffers (128-byte swizzled, each tile and
+  // column block 1024-byte aligned); staged dQ; per warpgroup two slots of row statistics; the
+  // mbarriers: K/V full, then per stage full and empty.
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKVTileBytes;
   static constexpr int kQOffset = 2 * kKVTileBytes;
   static constexpr int kDoOffset = kQOffset + kStages * kQTileBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQTileBytes;
-  static constexpr int kDqOffset = kDsOffset + kBlockN * kBlockM * 2;
-  static constexpr int kLseOffset = kDqOffset + kBlockM * kDqRowFloats * 4;
-  static constexpr int kDeltaOffset = kLseOffset + 2 * kBlockM * 4;
-  static constexpr int kBarrierOffset = kDeltaOffset + 2 * kBlockM * 4;
+  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kStatsOffset = kDqOffset + kConsumerWarpGroups * kDqBlockBytes;
+  static constexpr int kBarrierOffset = kStatsOffset + kConsumerWarpGroups * 2 * kStatsFloats * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages);
   static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes for head_dim 64 and 128");
   static_assert(kBlockM == 64 || kBlockM == 128, "S^T tiles are m64n64 or m64n128");
-  static_assert(2 * kBlockM <= kConsumerThreads, "a consumer thread loads one LSE or D row");
-  static_assert(kQTileBytes % 1024 == 0 && kDsOffset % 1024 == 0, "swizzled tiles aligned");
+  static_assert(kDqColumns == 64, "dQ MMAs are m64n64");
+  static_assert(kStatsFloats % 128 == 0, "a warpgroup's threads load a slot in whole passes");
+  static_assert(kQTileBytes % 1024 == 0 && kDsOffset % 1024 == 0 && kDsBytes % 1024 == 0,
+                "swizzled tiles aligned");
   static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per CTA");
   static_assert(sizeof(Element) == 2, "16-bit storage");
 };
@@ -96,17 +110,23 @@ struct FusedBackwardTmaParams {
   CUtensorMap k_map;
   CUtensorMap v_map;
   CUtensorMap do_map;
+  CUtensorMap dq_map;  // dq_accum, float32, boxes of 64 rows x 32 columns
 };
 
 namespace sm90_backward {
 
-// Named barrier ids (0 is __syncthreads): both consumer warpgroups' dS^T stored (and the next
-// tile's LSE and D rows); their dQ halves staged, for the dQ warp; the staged dQ read out, for
-// the consumers.
-inline constexpr uint32_t kDsStoredBarrier = 1;
-inline constexpr uint32_t kDqStagedBarrier = 2;
-inline constexpr uint32_t kDqFreeBarrier = 3;
-inline constexpr uint32_t kDqHandoffThreads = 256 + 32;  // the consumers and the dQ warp
+// Named barrier ids (0 is __syncthreads), per consumer warpgroup w:
+//   kStatsBarrier + w: w's own threads (its dS^T stores and next tile's row statistics placed);
+//   kDsStoredBarrier + 2 w + (t % 2): w has stored tile t's dS^T and its dQ MMAs of tile t - 1
+//     are done with the other buffer; w arrives, the other warpgroup syncs before its dQ MMAs
+//     of tile t (two ids, so that an arrival never meets the previous tile's unconsumed one);
+//   kDqStagedBarrier + w, kDqFreeBarrier + w: w's dQ rows staged for the dQ warp / read out.
+inline constexpr uint32_t kStatsBarrier = 1;
+inline constexpr uint32_t kDsStoredBarrier = 3;
+inline constexpr uint32_t kDqStagedBarrier = 7;
+inline constexpr uint32_t kDqFreeBarrier = 9;
+inline constexpr uint32_t kDsStoredThreads = 256;        // both consumer warpgroups
+inline constexpr uint32_t kDqHandoffThreads = 128 + 32;  // a consumer warpgroup and the dQ warp
 
 template <typename Traits>
 struct Barriers {
@@ -165,23 +185,20 @@ __device__ __forceinline__ void IssueKeyGradient(float (&acc)[Traits::kHeadDim /
   }
 }
 
-// Queues dQ[:, columns] = dS K[:, columns] over the block's 128 keys, dS read from the stored
-// dS^T and K from its tile, both MN-major (16 keys a k-step, 2 KiB of rows).
+// Queues a 64 x 64 block of dQ = dS K over the block's 128 keys: the query slice that starts at
+// ds_slice of the stored dS^T, K's columns from first_column, both read MN-major (16 keys a
+// k-step, 2 KiB of rows).
 template <typename Traits>
 __device__ __forceinline__ void IssueQueryGradient(float (&dq)[Traits::kDqColumns / 2],
-                                                   uint32_t ds_tile, uint32_t k_tile,
+                                                   uint32_t ds_slice, uint32_t k_tile,
                                                    int first_column) {
   const uint32_t k_columns =
       k_tile + (first_column / 64) * Traits::kBlockN * 128 + (first_column % 64) * 2;
 #pragma unroll
   for (int ks = 0; ks < Traits::kBlockN / 16; ++ks) {
-    const uint64_t desc_ds = wgmma::MakeDescriptor(ds_tile + ks * 16 * 128, Traits::kBlockN * 128);
+    const uint64_t desc_ds = wgmma::MakeDescriptor(ds_slice + ks * 16 * 128, Traits::kBlockN * 128);
     const uint64_t desc_k = wgmma::MakeDescriptor(k_columns + ks * 16 * 128, Traits::kBlockN * 128);
-    if constexpr (Traits::kDqColumns == 64) {
-      wgmma::MmaSSMnMajor_64(dq, desc_ds, desc_k, ks > 0, typename Traits::Element{});
-    } else {
-      wgmma::MmaSSMnMajor_32(dq, desc_ds, desc_k, ks > 0, typename Traits::Element{});
-    }
+    wgmma::MmaSSMnMajor_64(dq, desc_ds, desc_k, ks > 0, typename Traits::Element{});
   }
 }
 
@@ -242,82 +259,157 @@ __device__ __forceinline__ void ProduceTiles(const FusedBackwardTmaParams& param
   }
 }
 
-// The dQ warp: for each tile, once the consumers have staged it, adds its rows into the
-// accumulator, then hands the staging back once the copy engine has read it. Deterministic:
-// lane 0 alone, after the key blocks below this one that meet the tile, then counts this one
-// in.
+// Where consumer warpgroup w's 64 x 64 block of a tile's dQ lies: its first row and column.
+template <typename Traits>
+__device__ __forceinline__ int DqFirstRow(int w) {
+  return Traits::kDqSplitsRows ? 64 * w : 0;
+}
+template <typename Traits>
+__device__ __forceinline__ int DqFirstColumn(int w) {
+  return Traits::kDqSplitsRows ? 0 : Traits::kDqColumns * w;
+}
+
+// The dQ warp: for each tile and each consumer warpgroup, once the warpgroup has staged its
+// block, one lane adds the block's two boxes into the accumulator, then hands the staging back
+// once the copy engine has read it. Rows of a box past the sequence carry zeros (their P is 0):
+// the map drops those past a uniform batch's sequence or the batch's end, and a variable-length
+// sequence's next tokens add +0, which leaves every value, and so determinism, as it was.
+// Deterministic: after the key blocks below this one that meet the tile, then counts this one
+// in once both blocks have landed.
 template <typename Traits>
 __device__ __forceinline__ void ReduceQueryGradients(const FusedBackwardTmaParams& params,
                                                      uint32_t staged,
                                                      const SequenceView<int64_t>& seq,
-                                                     const QueryTiles& tiles, int kv_head) {
+                                                     const QueryTiles& tiles, const TileOrigin& at,
+                                                     int kv_head) {
+  constexpr int kGroups = Traits::kConsumerWarpGroups;
   const FusedBackwardParams& p = params.p;
-  const int lane = threadIdx.x % 32;
-  constexpr uint32_t kRowBytes = Traits::kHeadDim * 4;
-  constexpr uint32_t kStagedRowBytes = Traits::kDqRowFloats * 4;
-  const int64_t row_stride = int64_t{p.num_heads} * Traits::kHeadDim;
-  tma::NamedBarrierArrive(kDqFreeBarrier, kDqHandoffThreads);
+  const bool leader = threadIdx.x % 32 == 0;
+  tma::PrefetchTensorMap(&params.dq_map);
+#pragma unroll
+  for (int w = 0; w < kGroups; ++w) tma::NamedBarrierArrive(kDqFreeBarrier + w, kDqHandoffThreads);
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int head = tiles.head(t, kv_head);
     const int64_t row0 = tiles.row0(t, Traits::kBlockM);
-    const int rows = static_cast<int>(Min64(Traits::kBlockM, seq.seqlen_q - row0));
-    float* dq_rows =
-        params.dq_accum + ((seq.q_start + row0) * p.num_heads + head) * Traits::kHeadDim;
-    tma::NamedBarrierSync(kDqStagedBarrier, kDqHandoffThreads);
-    if (!p.deterministic) {
-      for (int r = lane; r < rows; r += 32) {
-        tma::ReduceAddF32(dq_rows + r * row_stride, staged + r * kStagedRowBytes, kRowBytes);
+    const int64_t rows = Min64(Traits::kBlockM, seq.seqlen_q - row0);
+    int* counter = nullptr;
+#pragma unroll
+    for (int w = 0; w < kGroups; ++w) {
+      const int first_row = DqFirstRow<Traits>(w);
+      tma::NamedBarrierSync(kDqStagedBarrier + w, kDqHandoffThreads);
+      if (leader) {
+        if (p.deterministic && w == 0) {
+          counter =
+              DqTileCounter(params.dq_tile_counters, params.query_tiles, p.num_heads, head, row0);
+          WaitForTurn(counter, DqTurn(p, seq, row0, Traits::kBlockN));
+          tma::FenceGlobalAfterBulk();
+        }
+        if (first_row < rows) {
+#pragma unroll
+          for (int b = 0; b < Traits::kDqColumns / Traits::kDqBoxColumns; ++b) {
+            tma::ReduceAdd4d(&params.dq_map,
+                             staged + w * Traits::kDqBlockBytes + b * Traits::kDqBoxBytes,
+                             DqFirstColumn<Traits>(w) + b * Traits::kDqBoxColumns,
+                             at.q_row + static_cast<int>(row0) + first_row, head, at.sequence);
+          }
+        }
+        tma::BulkCommit();
+        if (!p.deterministic || w + 1 < kGroups) {
+          tma::BulkWaitRead();
+        } else {
+          tma::BulkWait();
+          tma::FenceGlobalAfterBulk();
+          PassTurn(counter);
+        }
       }
-      tma::BulkCommit();
-      tma::BulkWaitRead();
-    } else if (lane == 0) {
-      int* counter =
-          DqTileCounter(params.dq_tile_counters, params.query_tiles, p.num_heads, head, row0);
-      WaitForTurn(counter, DqTurn(p, seq, row0, Traits::kBlockN));
-      tma::FenceGlobalAfterBulk();
-      for (int r = 0; r < rows; ++r) {
-        tma::ReduceAddF32(dq_rows + r * row_stride, staged + r * kStagedRowBytes, kRowBytes);
-      }
-      tma::BulkCommit();
-      tma::BulkWait();
-      tma::FenceGlobalAfterBulk();
-      PassTurn(counter);
+      __syncwarp();
+      // Every barrier's arrivals match its waits: the warpgroup waits once per tile.
+      if (t + 1 < tiles.count) tma::NamedBarrierArrive(kDqFreeBarrier + w, kDqHandoffThreads);
     }
-    __syncwarp();
-    // Every barrier's arrivals match its waits: the consumers wait once per tile.
-    if (t + 1 < tiles.count) tma::NamedBarrierArrive(kDqFreeBarrier, kDqHandoffThreads);
   }
   tma::BulkWait();  // the last rows added before the warp (and the staging) goes
 }
 
-// One consumer thread's share of a tile's LSE (base 2) and D rows, loaded while the tile before
-// runs: thread i < kBlockM loads LSE row i, thread kBlockM + i D row i. A row outside the
-// sequence or one that saw no key gets LSE +inf, so that its P is 0.
+// Tile t's dS^T buffer, of two: an offset into shared memory.
+template <typename Traits>
+__device__ __forceinline__ uint32_t DsBuffer(int64_t t) {
+  return static_cast<uint32_t>(Traits::kDsOffset + (t % 2) * Traits::kDsBytes);
+}
+
+// A consumer warpgroup's 64 x 64 block of tile t's dQ, once the other warpgroup has stored its
+// half of the tile's dS^T.
+template <typename Traits>
+__device__ __forceinline__ void IssueQueryGradientBlock(float (&dq)[Traits::kDqColumns / 2],
+                                                        uint32_t smem, int64_t t, int consumer) {
+  const int other = 1 - consumer;
+  tma::NamedBarrierSync(kDsStoredBarrier + 2 * other + t % 2, kDsStoredThreads);
+  wgmma::Fence();
+  IssueQueryGradient<Traits>(
+      dq, smem + DsBuffer<Traits>(t) + (DqFirstRow<Traits>(consumer) / 64) * Traits::kBlockN * 128,
+      smem + Traits::kKOffset, DqFirstColumn<Traits>(consumer));
+  wgmma::CommitGroup();
+}
+
+// The block, scaled, into the warpgroup's staging for the dQ warp once the warp has read out the
+// one before: element (r, c) of the block at box c / 32, row r, its 16-byte chunk swizzled.
+template <typename Traits>
+__device__ __forceinline__ void StageQueryGradientBlock(const float (&dq)[Traits::kDqColumns / 2],
+                                                        unsigned char* staged, int consumer,
+                                                        float scale) {
+  const int lane = threadIdx.x % 32;
+  const int row = (threadIdx.x % 128) / 32 * 16 + lane / 4;  // + 8 for the second pair
+  const int pair = (lane % 4) * 2;
+  unsigned char* block = staged + consumer * Traits::kDqBlockBytes;
+  const auto at = [&](int r, int c) {
+    const int chunk = (c % Traits::kDqBoxColumns) / 4;
+    return reinterpret_cast<float2*>(block + (c / Traits::kDqBoxColumns) * Traits::kDqBoxBytes +
+                                     r * 128 + ((chunk ^ (r % 8)) * 16) + (c % 4) * 4);
+  };
+  tma::NamedBarrierSync(kDqFreeBarrier + consumer, kDqHandoffThreads);
+#pragma unroll
+  for (int n = 0; n < Traits::kDqColumns / 8; ++n) {
+    *at(row, n * 8 + pair) = make_float2(dq[n * 4] * scale, dq[n * 4 + 1] * scale);
+    *at(row + 8, n * 8 + pair) = make_float2(dq[n * 4 + 2] * scale, dq[n * 4 + 3] * scale);
+  }
+  wgmma::FenceSharedForAsyncProxy();
+  tma::NamedBarrierArrive(kDqStagedBarrier + consumer, kDqHandoffThreads);
+}
+
+// One consumer thread's share of a tile's row statistics, loaded while the tile before runs:
+// each warpgroup keeps its own slots, [LSE (base 2) rows | D rows], and its thread i loads
+// entries i, i + 128, ... A row outside the sequence or one that saw no key gets LSE +inf, so
+// that its P is 0.
 template <typename Traits>
 struct RowStatistics {
-  float value = 0.f;
-  int row = -1;      // within the tile; -1: this thread loads nothing
-  bool lse = false;  // LSE rather than D
+  static constexpr int kLoads = Traits::kStatsFloats / 128;
+  float value[kLoads];
+  bool loaded = false;
 
   __device__ void Load(const FusedBackwardTmaParams& params, const SequenceView<int64_t>& seq,
-                       const QueryTiles& tiles, int kv_head, int64_t t, int consumer_thread) {
-    row = -1;
-    if (t >= tiles.count || consumer_thread >= 2 * Traits::kBlockM) return;
-    lse = consumer_thread < Traits::kBlockM;
-    row = consumer_thread % Traits::kBlockM;
+                       const QueryTiles& tiles, int kv_head, int64_t t, int group_thread) {
+    loaded = t < tiles.count;
+    if (!loaded) return;
     const int64_t row0 = tiles.row0(t, Traits::kBlockM);
-    value = lse ? INFINITY : 0.f;
-    if (row0 + row < seq.seqlen_q) {
-      const int64_t at = tiles.head(t, kv_head) * params.p.total_q + seq.q_start + row0 + row;
-      value = lse ? params.p.lse[at] : params.delta[at];
+    const int64_t first = tiles.head(t, kv_head) * params.p.total_q + seq.q_start + row0;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int entry = group_thread + 128 * i;
+      const bool lse = entry < Traits::kBlockM;
+      const int row = entry % Traits::kBlockM;
+      value[i] = lse ? INFINITY : 0.f;
+      if (row0 + row < seq.seqlen_q) {
+        value[i] = lse ? params.p.lse[first + row] : params.delta[first + row];
+      }
     }
   }
-  __device__ void Store(float* lse_slot, float* delta_slot) const {
-    if (row < 0) return;
-    if (lse) {
-      lse_slot[row] = value == -INFINITY ? INFINITY : value * static_cast<float>(M_LOG2E);
-    } else {
-      delta_slot[row] = value;
+  __device__ void Store(float* slot, int group_thread) const {
+    if (!loaded) return;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int entry = group_thread + 128 * i;
+      float v = value[i];
+      if (entry < Traits::kBlockM) v = v == -INFINITY ? INFINITY : v * static_cast<float>(M_LOG2E);
+      slot[entry] = v;
     }
   }
 };
@@ -337,6 +429,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kDTiles = Traits::kDTiles;
   constexpr int kQTiles = Traits::kQTiles;
   constexpr int kDqColumns = Traits::kDqColumns;
+  constexpr int kStatsFloats = Traits::kStatsFloats;
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
   const FusedBackwardParams& p = params.p;
 
@@ -349,9 +442,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   extern __shared__ __align__(1024) unsigned char swizzled_smem[];
   const uint32_t smem = ptx::SharedAddress(swizzled_smem);
-  float* lse_slots = reinterpret_cast<float*>(swizzled_smem + Traits::kLseOffset);
-  float* delta_slots = reinterpret_cast<float*>(swizzled_smem + Traits::kDeltaOffset);
-  float* dq_staged = reinterpret_cast<float*>(swizzled_smem + Traits::kDqOffset);
+  unsigned char* dq_staged = swizzled_smem + Traits::kDqOffset;
   const Barriers<Traits> bars{smem + Traits::kBarrierOffset};
 
   if (threadIdx.x == 0) {
@@ -369,14 +460,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp_group == 0) {
     tma::ReleaseRegisters<kSm90BackwardProducerRegisters>();
     if (tiles.count > 0) {
+      const bool varlen = p.cu_seqlens_q != nullptr;
+      const TileOrigin at{varlen ? static_cast<int>(seq.q_start) : 0,
+                          varlen ? static_cast<int>(seq.k_start) : 0,
+                          varlen ? 0 : static_cast<int>(blockIdx.z)};
       if (threadIdx.x == 0) {
-        const bool varlen = p.cu_seqlens_q != nullptr;
-        const TileOrigin at{varlen ? static_cast<int>(seq.q_start) : 0,
-                            varlen ? static_cast<int>(seq.k_start) : 0,
-                            varlen ? 0 : static_cast<int>(blockIdx.z)};
         ProduceTiles<Traits>(params, bars, smem, tiles, at, k0, kv_head);
       } else if (threadIdx.x / 32 == 1) {
-        ReduceQueryGradients<Traits>(params, smem + Traits::kDqOffset, seq, tiles, kv_head);
+        ReduceQueryGradients<Traits>(params, smem + Traits::kDqOffset, seq, tiles, at, kv_head);
       }
     }
     return;
@@ -384,31 +475,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   tma::ClaimRegisters<kSm90BackwardConsumerRegisters>();
 
   const int consumer = warp_group - 1;
-  const int consumer_thread = threadIdx.x - 128;
-  const int warp = (threadIdx.x % 128) / 32;  // within the warpgroup: 16 of its 64 keys
+  const int group_thread = threadIdx.x % 128;
+  const int warp = group_thread / 32;  // within the warpgroup: 16 of its 64 keys
   const int lane = threadIdx.x % 32;
   const int quad_row = lane / 4;
   const int pair = (lane % 4) * 2;
   const int key_row = consumer * 64 + warp * 16 + quad_row;  // in the block; + 8 for the second
   const uint32_t k_tile = smem + Traits::kKOffset;
   const uint32_t v_tile = smem + Traits::kVOffset;
-  const uint32_t ds_tile = smem + Traits::kDsOffset;
+  float* stats =
+      reinterpret_cast<float*>(swizzled_smem + Traits::kStatsOffset) + consumer * 2 * kStatsFloats;
   const float scale_log2 = p.scale * static_cast<float>(M_LOG2E);
   const int64_t shift = seq.seqlen_k - seq.seqlen_q;
-
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
   if (tiles.count > 0) {
-    // Tile 0's LSE and D rows into slot 0; later tiles' load while the tile before runs.
+    // Tile 0's row statistics into slot 0; later tiles' load while the tile before runs.
     RowStatistics<Traits> next;
-    next.Load(params, seq, tiles, kv_head, 0, consumer_thread);
-    next.Store(lse_slots, delta_slots);
-    tma::NamedBarrierSync(kDsStoredBarrier, kConsumerThreads);
+    next.Load(params, seq, tiles, kv_head, 0, group_thread);
+    next.Store(stats, group_thread);
+    tma::NamedBarrierSync(kStatsBarrier + consumer, 128);
     tma::Wait(bars.kv_full(), 0);
   }
-  for (int64_t t = 0; t < tiles.count; ++t) {
+  // One query tile; with_dq: and the dQ of the tile before. (A compile-time flag, not a branch:
+  // ptxas serialises wgmma whose issue is conditional.)
+  const auto run_tile = [&](auto with_dq, int64_t t) {
+    constexpr bool kWithDq = decltype(with_dq)::value;
     const int stage = StageOf<kStages>(t);
     const int slot = static_cast<int>(t % 2);
     const int64_t row0 = tiles.row0(t, kBlockM);
@@ -424,12 +518,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     IssueTransposedScores<Traits>(dp, v_tile + consumer * 64 * 128, do_stage);
     wgmma::CommitGroup();
     RowStatistics<Traits> next;
-    next.Load(params, seq, tiles, kv_head, t + 1, consumer_thread);
+    next.Load(params, seq, tiles, kv_head, t + 1, group_thread);
 
     // P^T = exp2(S^T scale log2(e) - LSE); the mask where the tile crosses the window's edges,
     // the sequence's last key or the block's end (rows past the sequence have LSE = +inf).
-    const float* lse = lse_slots + slot * kBlockM;
-    const float* delta = delta_slots + slot * kBlockM;
+    const float* lse = stats + slot * kStatsFloats;
+    const float* delta = lse + kBlockM;
     const int64_t last_row = row0 + rows - 1;
     const bool masked = keys < kBlockN ||
                         (p.window_right >= 0 && k0 + kBlockN - 1 > row0 + shift + p.window_right) ||
@@ -470,59 +564,55 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     IssueKeyGradient<Traits>(dv, p_frag, do_stage);
     IssueKeyGradient<Traits>(dk, ds_frag, q_stage);
     wgmma::CommitGroup();
+    // The tile before's dQ, behind dV and dK on the tensor cores.
+    float dq[kDqColumns / 2];
+    if constexpr (kWithDq) IssueQueryGradientBlock<Traits>(dq, smem, t - 1, consumer);
 
-    // dS^T (keys x queries, kBlockM / 64 swizzled column blocks) for dQ, while dV and dK run.
-    // The last tile's dQ MMAs are done reading it: both warpgroups waited for them before the
-    // kDqStagedBarrier that each passed since.
+    // dS^T (keys x queries, kBlockM / 64 swizzled column blocks) into this tile's buffer, while
+    // the MMAs run. Its last readers, the dQ MMAs of tile t - 2, are done: this warpgroup's
+    // waited for them in tile t - 1, the other's before its kDsStoredBarrier arrival of tile
+    // t - 1, which IssueQueryGradientBlock above synced on.
+    unsigned char* ds_stored = swizzled_smem + DsBuffer<Traits>(t);
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int col = ks * 16 + half * 8 + pair;
-        *reinterpret_cast<uint32_t*>(swizzled_smem + Traits::kDsOffset +
-                                     wgmma::SwizzledByteOffset(key_row, col, kBlockN)) =
+        *reinterpret_cast<uint32_t*>(ds_stored + wgmma::SwizzledByteOffset(key_row, col, kBlockN)) =
             ds_frag[ks][2 * half];
-        *reinterpret_cast<uint32_t*>(swizzled_smem + Traits::kDsOffset +
+        *reinterpret_cast<uint32_t*>(ds_stored +
                                      wgmma::SwizzledByteOffset(key_row + 8, col, kBlockN)) =
             ds_frag[ks][2 * half + 1];
       }
     }
     wgmma::FenceSharedForAsyncProxy();
-    // The next tile's rows go to the other slot, last read in the tile before this one.
-    next.Store(lse_slots + (1 - slot) * kBlockM, delta_slots + (1 - slot) * kBlockM);
-    tma::NamedBarrierSync(kDsStoredBarrier, kConsumerThreads);
+    // The next tile's statistics go to the other slot, last read in the tile before this one.
+    next.Store(stats + (1 - slot) * kStatsFloats, group_thread);
+    tma::NamedBarrierSync(kStatsBarrier + consumer, 128);
 
-    float dq[Traits::kQuerySlices][kDqColumns / 2];
-    wgmma::Fence();
-#pragma unroll
-    for (int m = 0; m < Traits::kQuerySlices; ++m) {
-      IssueQueryGradient<Traits>(dq[m], ds_tile + m * kBlockN * 128, k_tile, consumer * kDqColumns);
-    }
-    wgmma::CommitGroup();
     wgmma::WaitGroup<0>();
-#pragma unroll
-    for (int m = 0; m < Traits::kQuerySlices; ++m) wgmma::FenceOperands(dq[m]);
+    if constexpr (kWithDq) wgmma::FenceOperands(dq);
     wgmma::FenceOperands(dk);
     wgmma::FenceOperands(dv);
-    // Q, dO of this stage are no longer read.
+    // Q, dO of this stage are no longer read; this tile's dS^T is stored and the tile before's
+    // buffer no longer read by this warpgroup.
     if (lane == 0) tma::Arrive(bars.empty(stage));
-
-    // The dQ warp has read out the last tile's staged rows.
-    tma::NamedBarrierSync(kDqFreeBarrier, kDqHandoffThreads);
-#pragma unroll
-    for (int m = 0; m < Traits::kQuerySlices; ++m) {
-#pragma unroll
-      for (int n = 0; n < kDqColumns / 8; ++n) {
-        const int col = consumer * kDqColumns + n * 8 + pair;
-        const int row = m * 64 + warp * 16 + quad_row;
-        *reinterpret_cast<float2*>(dq_staged + row * Traits::kDqRowFloats + col) =
-            make_float2(dq[m][n * 4] * p.scale, dq[m][n * 4 + 1] * p.scale);
-        *reinterpret_cast<float2*>(dq_staged + (row + 8) * Traits::kDqRowFloats + col) =
-            make_float2(dq[m][n * 4 + 2] * p.scale, dq[m][n * 4 + 3] * p.scale);
+    tma::NamedBarrierArrive(kDsStoredBarrier + 2 * consumer + slot, kDsStoredThreads);
+    if constexpr (kWithDq) StageQueryGradientBlock<Traits>(dq, dq_staged, consumer, p.scale);
+  };
+  if (tiles.count > 0) {
+    for (int64_t t = 0; t < tiles.count; ++t) {
+      if (t == 0) {
+        run_tile(std::false_type{}, t);
+      } else {
+        run_tile(std::true_type{}, t);
       }
     }
-    wgmma::FenceSharedForAsyncProxy();
-    tma::NamedBarrierArrive(kDqStagedBarrier, kDqHandoffThreads);
+    float dq[kDqColumns / 2];
+    IssueQueryGradientBlock<Traits>(dq, smem, tiles.count - 1, consumer);
+    wgmma::WaitGroup<0>();
+    wgmma::FenceOperands(dq);
+    StageQueryGradientBlock<Traits>(dq, dq_staged, consumer, p.scale);
   }
 
   // dK (scaled) and dV of the block's keys, from registers to the dtype.

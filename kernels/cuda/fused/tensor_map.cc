@@ -47,7 +47,8 @@ TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, i
 cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = Encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  constexpr int64_t kElementBytes = 2;
+  const bool f32 = view.dtype == DType::kF32;
+  const int64_t kElementBytes = f32 ? 4 : 2;
   // A single sequence never steps by its stride; any valid value stands in.
   const int64_t sequence_bytes =
       (view.sequences > 1 ? view.sequence_stride : view.token_stride) * kElementBytes;
@@ -57,8 +58,8 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
       (view.heads > 1 ? view.head_stride : view.token_stride) * kElementBytes;
   if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || !ValidStride(token_bytes) ||
       !ValidStride(head_bytes) || !ValidStride(sequence_bytes) || view.rows <= 0 ||
-      view.rows > (int64_t{1} << 31) - 1 || view.head_dim <= 0 || view.head_dim % 8 != 0 ||
-      box_rows <= 0 || box_rows > 256) {
+      view.rows > (int64_t{1} << 31) - 1 || view.head_dim <= 0 ||
+      view.head_dim * kElementBytes % 16 != 0 || box_rows <= 0 || box_rows > 256) {
     return cudaErrorNotSupported;
   }
   const cuuint64_t dims[4] = {
@@ -67,10 +68,12 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(token_bytes),
                                  static_cast<cuuint64_t>(head_bytes),
                                  static_cast<cuuint64_t>(sequence_bytes)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / kElementBytes),
+                             static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = view.dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUtensorMapDataType type = f32                         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : view.dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult result =
       encode(map, type, 4, const_cast<void*>(view.data), dims, strides, box, element_strides,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,

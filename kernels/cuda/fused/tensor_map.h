@@ -13,10 +13,11 @@
 
 namespace attn::cuda {
 
-// A [tokens, heads, head_dim] tensor of 16-bit elements seen in four dimensions, innermost
-// first: (head_dim, rows, heads, sequences). A uniform batch is `sequences` blocks of `rows`
-// tokens `sequence_stride` elements apart, so that the rows past a sequence's end read as
-// zeros; a variable-length batch is one sequence of all its tokens.
+// A [tokens, heads, head_dim] tensor of 16-bit elements (or float32: the backward's dQ
+// accumulator) seen in four dimensions, innermost first: (head_dim, rows, heads, sequences). A
+// uniform batch is `sequences` blocks of `rows` tokens `sequence_stride` elements apart, so that
+// the rows past a sequence's end read as zeros; a variable-length batch is one sequence of all its
+// tokens.
 struct TokenTensorView {
   const void* data = nullptr;
   DType dtype = DType::kBF16;
@@ -42,12 +43,13 @@ cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q
                                 int kv_box_rows, CUtensorMap* q_map, CUtensorMap* k_map,
                                 CUtensorMap* v_map);
 
-// Encodes the map of `view` with boxes of 64 columns (128 bytes, the 128-byte swizzle's span)
-// by `box_rows` rows of one head of one sequence, stored 128-byte swizzled; elements outside the
-// tensor arrive as zeros, columns past a head_dim that is not a multiple of 64 (96) as well.
+// Encodes the map of `view` with boxes of 128 bytes of columns (the 128-byte swizzle's span: 64
+// 16-bit elements, 32 float32) by `box_rows` rows of one head of one sequence, stored 128-byte
+// swizzled; elements outside the tensor arrive as zeros (and a reduction into them is dropped),
+// columns past a head_dim that is not a multiple of the box (96) as well.
 // cudaErrorNotSupported when the driver has no encoder or the view breaks the copy engine's
-// rules (addresses and strides in whole 16 bytes, sizes up to 2^32) or head_dim is not a
-// multiple of 8 (whole 16-byte chunks).
+// rules (addresses and strides in whole 16 bytes, sizes up to 2^32) or a row of head_dim is not
+// whole 16-byte chunks.
 cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map);
 
 }  // namespace attn::cuda

@@ -76,11 +76,15 @@ __device__ __forceinline__ void Load4d(uint32_t dst, const void* map, uint32_t b
 // element by element (not atomic as a whole, each element added atomically). Groups are per
 // thread: Commit closes the thread's copies issued since its last Commit.
 
-// global[dst .. dst + bytes) += shared[src .. src + bytes); 16-byte aligned, bytes % 16 == 0.
-__device__ __forceinline__ void ReduceAddF32(float* dst, uint32_t src, uint32_t bytes) {
+// Adds the box at `src` (laid out as Load4d of the same map stores it) into the 4-D tensor map's
+// box at (c0, c1, c2, c3), element by element (float32 add); elements outside the tensor are
+// dropped.
+__device__ __forceinline__ void ReduceAdd4d(const void* map, uint32_t src, int c0, int c1, int c2,
+                                            int c3) {
   ATTN_SM90_ASM(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-      "r"(src), "r"(bytes)
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 

@@ -75,12 +75,6 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-#define ATTN_WGMMA_ACC_REGS_16 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define ATTN_WGMMA_ACC_OPERANDS_16(d)                                                             \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
-      "+f"(d[15])
 #define ATTN_WGMMA_ACC_REGS_32                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -253,8 +247,6 @@ ATTN_DEFINE_WGMMA_RS(128, 64, 64, 65, 66, 67, 68, 69, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_RS(256, 128, 128, 129, 130, 131, 132, 133, __half, "f16")
 ATTN_DEFINE_WGMMA_RS(256, 128, 128, 129, 130, 131, 132, 133, __nv_bfloat16, "bf16")
 
-ATTN_DEFINE_WGMMA_SS_MN_MAJOR(32, 16, 16, 17, 18, __half, "f16")
-ATTN_DEFINE_WGMMA_SS_MN_MAJOR(32, 16, 16, 17, 18, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __half, "f16")
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __nv_bfloat16, "bf16")
 
