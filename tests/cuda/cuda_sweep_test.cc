@@ -137,8 +137,8 @@ TEST_P(CudaSweepTest, FusedBackwardMatchesReference) {
   RunBackwardAndCheck(*fused, c);
 }
 
-// On Hopper the engine above runs the Hopper backward for head_dim 64/128; this covers the
-// portable kernel on the same problems.
+// On Hopper the engine above runs the Hopper backward for head_dim 64, 96 and 128; this covers
+// the portable kernel on the same problems.
 TEST_P(CudaSweepTest, FusedPortableBackwardMatchesReference) {
   SCOPED_TRACE(trace_);
   const SweepCase& c = GetParam();

@@ -148,8 +148,8 @@ TEST(Support, TableLookupsAgree) {
     }
   }
   // The wgmma kernels exist where the table says so: the lockstep one at head_dim 64 and 128
-  // (forward only), the warp-specialised one at 64, 96, 128 and 256, the Hopper backward at 64
-  // and 128.
+  // (forward only), the warp-specialised one at 64, 96, 128 and 256, the Hopper backward at 64,
+  // 96 and 128.
   EXPECT_TRUE(HasFusedKernel(Pass::kForward, DType::kBF16, 64, kSm90a));
   EXPECT_TRUE(HasFusedKernel(Pass::kForward, DType::kF16, 128, kSm90a));
   EXPECT_FALSE(HasFusedKernel(Pass::kForward, DType::kBF16, 96, kSm90a));
@@ -161,9 +161,11 @@ TEST(Support, TableLookupsAgree) {
           << DTypeName(t) << " " << head_dim;
     }
     EXPECT_FALSE(HasFusedKernel(Pass::kForward, t, 32, kSm90aTma));
-    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 96, kSm90aTma));
+    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 32, kSm90aTma));
     EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 64, kSm90aTma));
+    EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 96, kSm90aTma));
     EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 128, kSm90aTma));
+    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 256));
   }
 }
 

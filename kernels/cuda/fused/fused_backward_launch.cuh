@@ -16,10 +16,11 @@
 
 namespace attn::cuda {
 
-// The Hopper kernel: tensor maps of Q, dO (kBlockM-row boxes), K, V (128-row boxes) and the dQ
-// accumulator (64-row boxes), then one CTA per (128-key block, KV head, sequence).
-// cudaErrorNotSupported when it cannot run here (no sm_90a code for this device, no tensor-map
-// encoder, tensors the copy engine cannot address).
+// The Hopper kernel: tensor maps of Q, dO (kBlockM-row boxes), K, V (128-row boxes), each
+// head_dim wide (so that a tile's columns past it arrive as zeros), and the dQ accumulator
+// (64-row boxes), then one CTA per (128-key block, KV head, sequence). cudaErrorNotSupported
+// when it cannot run here (no sm_90a code for this device, no tensor-map encoder, tensors the
+// copy engine cannot address).
 template <typename Traits>
 cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
                                     const FusedBackwardWorkspace& work, bool aligned_outputs,
@@ -68,7 +69,9 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
   const FusedKernel pinned = params.kernel;
   if constexpr (HasFusedKernel(Pass::kBackward, kDType, kHeadDim, kSm90aTma)) {
     // kAuto takes it wherever it runs: 1.2-1.5x the portable kernel at head_dim 64, 1.6-2.3x at
-    // 128 on the H200 (docs/cuda-fused.md).
+    // 128 on the H200 (docs/cuda-fused.md). At 96, not yet measured, by reasoning: it runs the
+    // tiles of 128, a fifth more MMA work than 96 needs (dV, dK and dQ 128 wide; S^T and dP^T
+    // stop at 96), well inside the margin it holds at 128.
     if (pinned != FusedKernel::kPortable && aligned_inputs) {
       const cudaError_t err = LaunchFusedBackwardSm90<FusedBackwardSm90Traits<T, kHeadDim>>(
           params, work, aligned_outputs, stream);

@@ -56,22 +56,29 @@ struct FusedBackwardSm90Traits {
   static constexpr int kConsumerWarpGroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // the producer warpgroup first
-  static constexpr int kColumnBlocks = kHeadDim / 64;      // 128-byte column blocks of a row
-  static constexpr int kDTiles = kHeadDim / 8;             // 8-column tiles of dK, dV
+  // Tiles hold whole 128-byte column blocks of 64 elements, as in the forward. At head_dim 96
+  // the second block is half used: the copy engine zero-fills columns 96..127 of K, V, Q and dO
+  // (past the tensor maps' head_dim), S^T and dP^T stop at column 96, and dV, dK and dQ run 128
+  // wide, their last 32 columns (zero) never stored.
+  static constexpr int kColumnBlocks = (kHeadDim + 63) / 64;
+  static constexpr int kTileColumns = 64 * kColumnBlocks;  // of the tiles and accumulators
+  static constexpr int kDTiles = kTileColumns / 8;         // 8-column tiles of dK, dV
   static constexpr int kQTiles = kBlockM / 8;              // 8-query column tiles of S^T
   static constexpr int kQuerySlices = kBlockM / 64;        // m64 slices of a tile's queries
   // Each warpgroup computes 64 x 64 of a tile's dQ: a query slice of every column when the tile
   // has a slice per warpgroup (head_dim 64), else half the columns of the one slice.
   static constexpr bool kDqSplitsRows = kQuerySlices == kConsumerWarpGroups;
-  static constexpr int kDqColumns = kDqSplitsRows ? kHeadDim : kHeadDim / kConsumerWarpGroups;
+  static constexpr int kDqColumns =
+      kDqSplitsRows ? kTileColumns : kTileColumns / kConsumerWarpGroups;
   // A warpgroup's staged 64 x 64 dQ block: two boxes of the accumulator's tensor map, 64 rows of
   // 32 floats (128 bytes) each, stored 128-byte swizzled as the copy engine reads them (the
   // swizzle also spreads the consumers' stores over the banks).
   static constexpr int kDqBoxColumns = 32;
   static constexpr int kDqBoxBytes = 64 * kDqBoxColumns * 4;
   static constexpr int kDqBlockBytes = 64 * kDqColumns * 4;
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
+  // Whole boxes: the zero-filled columns count towards the transaction bytes.
+  static constexpr int kKVTileBytes = kBlockN * kTileColumns * 2;
+  static constexpr int kQTileBytes = kBlockM * kTileColumns * 2;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   // A slot of row statistics: the tile's LSE (base 2) rows, then its D rows.
   static constexpr int kStatsFloats = 2 * kBlockM;
@@ -87,7 +94,8 @@ struct FusedBackwardSm90Traits {
   static constexpr int kStatsOffset = kDqOffset + kConsumerWarpGroups * kDqBlockBytes;
   static constexpr int kBarrierOffset = kStatsOffset + kConsumerWarpGroups * 2 * kStatsFloats * 4;
   static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages);
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma shapes for head_dim 64 and 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
+                "dK and dV are m64n64 or m64n128 (head_dim 96 and 128)");
   static_assert(kBlockM == 64 || kBlockM == 128, "S^T tiles are m64n64 or m64n128");
   static_assert(kDqColumns == 64, "dQ MMAs are m64n64");
   static_assert(kStatsFloats % 128 == 0, "a warpgroup's threads load a slot in whole passes");
@@ -149,7 +157,8 @@ __device__ __forceinline__ uint32_t ParityOf(int64_t t) {
 }
 
 // Queues X^T = A B^T for a warpgroup's 64 rows of A (K or V) against a tile of kBlockM rows of
-// B (Q or dO), both K-major over head_dim: head_dim / 16 k-steps of 32 bytes in the swizzled rows.
+// B (Q or dO), both K-major over head_dim: head_dim / 16 k-steps of 32 bytes in the swizzled rows
+// (at 96, none over the zero-filled columns).
 template <typename Traits>
 __device__ __forceinline__ void IssueTransposedScores(float (&x)[Traits::kBlockM / 2],
                                                       uint32_t a_rows, uint32_t b_tile) {
@@ -171,13 +180,13 @@ __device__ __forceinline__ void IssueTransposedScores(float (&x)[Traits::kBlockM
 // Queues acc += A^T B over the tile's kBlockM query rows: A^T (P^T or dS^T) from registers, B (dO
 // or Q) read MN-major from its stage.
 template <typename Traits>
-__device__ __forceinline__ void IssueKeyGradient(float (&acc)[Traits::kHeadDim / 2],
+__device__ __forceinline__ void IssueKeyGradient(float (&acc)[Traits::kTileColumns / 2],
                                                  const uint32_t (&a)[Traits::kBlockM / 16][4],
                                                  uint32_t b_tile) {
 #pragma unroll
   for (int ks = 0; ks < Traits::kBlockM / 16; ++ks) {
     const uint64_t desc_b = wgmma::MakeDescriptor(b_tile + ks * 16 * 128, Traits::kBlockM * 128);
-    if constexpr (Traits::kHeadDim == 128) {
+    if constexpr (Traits::kTileColumns == 128) {
       wgmma::MmaRS_128(acc, a[ks], desc_b, typename Traits::Element{});
     } else {
       wgmma::MmaRS_64(acc, a[ks], desc_b, typename Traits::Element{});
@@ -307,9 +316,11 @@ __device__ __forceinline__ void ReduceQueryGradients(const FusedBackwardTmaParam
         if (first_row < rows) {
 #pragma unroll
           for (int b = 0; b < Traits::kDqColumns / Traits::kDqBoxColumns; ++b) {
+            // At head_dim 96 the last box lies past the accumulator's columns: nothing to add.
+            const int column = DqFirstColumn<Traits>(w) + b * Traits::kDqBoxColumns;
+            if (column >= Traits::kHeadDim) continue;
             tma::ReduceAdd4d(&params.dq_map,
-                             staged + w * Traits::kDqBlockBytes + b * Traits::kDqBoxBytes,
-                             DqFirstColumn<Traits>(w) + b * Traits::kDqBoxColumns,
+                             staged + w * Traits::kDqBlockBytes + b * Traits::kDqBoxBytes, column,
                              at.q_row + static_cast<int>(row0) + first_row, head, at.sequence);
           }
         }
@@ -487,9 +498,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       reinterpret_cast<float*>(swizzled_smem + Traits::kStatsOffset) + consumer * 2 * kStatsFloats;
   const float scale_log2 = p.scale * static_cast<float>(M_LOG2E);
   const int64_t shift = seq.seqlen_k - seq.seqlen_q;
-  float dk[kHeadDim / 2], dv[kHeadDim / 2];
+
+  float dk[kDTiles * 4], dv[kDTiles * 4];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < kDTiles * 4; ++i) dk[i] = dv[i] = 0.f;
 
   if (tiles.count > 0) {
     // Tile 0's row statistics into slot 0; later tiles' load while the tile before runs.
@@ -615,7 +627,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     StageQueryGradientBlock<Traits>(dq, dq_staged, consumer, p.scale);
   }
 
-  // dK (scaled) and dV of the block's keys, from registers to the dtype.
+  // dK (scaled) and dV of the block's keys, from registers to the dtype: head_dim columns (at 96
+  // the accumulators' last 32, zero, stay behind).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = key_row + half * 8;
@@ -626,7 +639,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Element* dv_row =
         static_cast<Element*>(p.dv) + token * p.dv_token_stride + kv_head * p.dv_head_stride;
 #pragma unroll
-    for (int n = 0; n < kDTiles; ++n) {
+    for (int n = 0; n < kHeadDim / 8; ++n) {
       const int c = n * 8 + pair;
       const float k_lo = dk[n * 4 + 2 * half] * p.scale, k_hi = dk[n * 4 + 2 * half + 1] * p.scale;
       const float v_lo = dv[n * 4 + 2 * half], v_hi = dv[n * 4 + 2 * half + 1];
