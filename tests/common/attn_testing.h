@@ -11,6 +11,8 @@
 //   common/accuracy.h         Compare() error metrics, CheckAccuracy() (the 2x rule; float32
 //                             rtol), CheckLse(), FractionCorrectlyRounded().
 //   common/sweep.h            StandardSweep(): the named problems every suite iterates.
+//   common/finite_difference.h  FiniteDifferenceCheck: a backward's gradients against central
+//                             differences of a float64 loss, with no analytic reference.
 //
 // A typical engine test (a CUDA suite copies data() to and from the device around the call):
 //
@@ -26,6 +28,7 @@
 #pragma once
 
 #include "common/accuracy.h"
+#include "common/finite_difference.h"
 #include "common/host_tensor.h"
 #include "common/naive_attention.h"
 #include "common/reference.h"
