@@ -24,9 +24,11 @@
 // the first (BlockMask), as in the other kernels. O = acc / l is staged through the
 // warpgroup's own rows of the Q tile; LSE = m * scale + log(l).
 //
-// The producer is the only code that knows where K and V rows live: a paged source (block
-// table lookups per tile) would replace its two tensor-map loads and leave the consumers as
-// they are.
+// The producer is the only code that knows where K and V rows live. It asks a K/V source (the
+// kernel's second template parameter) to fill a stage with the keys of a tile: DenseKvTiles
+// here copies one box per column block from the K and V tensor maps; the paged source
+// (paged_tma_source.cuh) looks the tile's pages up in the block table. The consumers are the
+// same for every source.
 #pragma once
 
 #include <cuda.h>
@@ -190,51 +192,92 @@ __device__ __forceinline__ void PackProbabilities(const float (&s)[Traits::kNTil
   }
 }
 
-// Where a CTA's tiles sit in the tensor maps' (column, row, head, sequence) coordinates: a
+// Where a CTA's Q tile sits in the Q map's (column, row, head, sequence) coordinates: a
 // uniform batch addresses its sequence by the fourth coordinate, a variable-length one by the
 // sequence's first token.
-struct TileCoordinates {
-  int q_row, k_row, sequence, head, kv_head;
+struct QueryTileAt {
+  int row, head, sequence;
 };
 
-// The producer thread: Q, then K and V tiles in the order the consumers finish with them
-// (K_0, K_1, V_0, K_2, V_1, ...), each into the next stage of its ring once both consumers have
-// released that stage.
+template <int kBlockM>
+__device__ __forceinline__ QueryTileAt QueryTileOf(const FusedForwardParams& p,
+                                                   const QueryBlock<kBlockM>& block) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  return {varlen ? static_cast<int>(block.seq.q_start) + block.row0 : block.row0, block.head,
+          varlen ? 0 : static_cast<int>(blockIdx.z)};
+}
+
+// The dense K/V source: the K and V tensor maps in the same coordinates as Q's, a tile being
+// one box per column block. A K/V source names its kernel parameters (Params, whose `p` is the
+// FusedForwardParams and which hold q_map, k_map and v_map), how many producer threads run it
+// (threads 0 .. kProducerThreads - 1, all inside warp 0; thread 0 issues Q's copies), and fills
+// a stage with the keys [key0, key0 + kBlockN) of K or V, completing it on the stage's `full`
+// barrier: one arrival and the bytes of its copies.
 template <typename Traits>
-__device__ __forceinline__ void ProduceTiles(const FusedForwardTmaParams& params,
-                                             const Barriers<Traits>& bars, uint32_t q_tile,
-                                             uint32_t k_tiles, uint32_t v_tiles,
-                                             const TileCoordinates& at, int n_block_last,
-                                             int num_tiles) {
-  constexpr int kBlockN = Traits::kBlockN;
-  tma::PrefetchTensorMap(&params.q_map);
-  tma::PrefetchTensorMap(&params.k_map);
-  tma::PrefetchTensorMap(&params.v_map);
-  tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
-#pragma unroll
-  for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-    tma::Load4d(q_tile + cb * Traits::kBlockM * 128, &params.q_map, bars.q_full(), cb * 64,
-                at.q_row, at.head, at.sequence);
+struct DenseKvTiles {
+  using Params = FusedForwardTmaParams;
+  static constexpr int kProducerThreads = 1;
+
+  const Params& params;
+  QueryTileAt q;
+  int k_row, kv_head;
+
+  __device__ __forceinline__ DenseKvTiles(const Params& params,
+                                          const QueryBlock<Traits::kBlockM>& block)
+      : params(params),
+        q(QueryTileOf(params.p, block)),
+        k_row(params.p.cu_seqlens_q != nullptr ? static_cast<int>(block.seq.k_start) : 0),
+        kv_head(block.kv_head(params.p)) {}
+
+  __device__ __forceinline__ void LoadKeys(uint32_t tile, uint32_t full, int key0) const {
+    Load(&params.k_map, tile, full, key0);
   }
-  const auto load = [&](const CUtensorMap* map, uint32_t tiles, uint32_t full, uint32_t empty,
-                        int it) {
-    const int stage = StageOf<Traits::kStages>(it);
-    tma::Wait(empty, ParityOf<Traits::kStages>(it) ^ 1);
+  __device__ __forceinline__ void LoadValues(uint32_t tile, uint32_t full, int key0) const {
+    Load(&params.v_map, tile, full, key0);
+  }
+
+ private:
+  __device__ __forceinline__ void Load(const CUtensorMap* map, uint32_t tile, uint32_t full,
+                                       int key0) const {
     tma::ArriveExpectBytes(full, Traits::kKVTileBytes);
-    const int key0 = (n_block_last - it) * kBlockN;
 #pragma unroll
     for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-      tma::Load4d(tiles + stage * Traits::kKVTileBytes + cb * kBlockN * 128, map, full, cb * 64,
-                  at.k_row + key0, at.kv_head, at.sequence);
+      tma::Load4d(tile + cb * Traits::kBlockN * 128, map, full, cb * 64, k_row + key0, kv_head,
+                  q.sequence);
     }
-  };
+  }
+};
+
+// The producer: Q, then K and V tiles in the order the consumers finish with them (K_0, K_1,
+// V_0, K_2, V_1, ...), each into the next stage of its ring once both consumers have released
+// that stage. Every producer thread of the source runs it; thread 0 issues Q's copies.
+template <typename Traits, typename Source>
+__device__ __forceinline__ void ProduceTiles(const Source& source, const Barriers<Traits>& bars,
+                                             uint32_t q_tile, uint32_t k_tiles, uint32_t v_tiles,
+                                             int n_block_last, int num_tiles) {
+  constexpr int kBlockN = Traits::kBlockN;
+  if (Source::kProducerThreads == 1 || threadIdx.x == 0) {
+    tma::PrefetchTensorMap(&source.params.q_map);
+    tma::PrefetchTensorMap(&source.params.k_map);
+    tma::PrefetchTensorMap(&source.params.v_map);
+    tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
+      tma::Load4d(q_tile + cb * Traits::kBlockM * 128, &source.params.q_map, bars.q_full(), cb * 64,
+                  source.q.row, source.q.head, source.q.sequence);
+    }
+  }
   const auto load_k = [&](int it) {
     const int stage = StageOf<Traits::kStages>(it);
-    load(&params.k_map, k_tiles, bars.k_full(stage), bars.k_empty(stage), it);
+    tma::Wait(bars.k_empty(stage), ParityOf<Traits::kStages>(it) ^ 1);
+    source.LoadKeys(k_tiles + stage * Traits::kKVTileBytes, bars.k_full(stage),
+                    (n_block_last - it) * kBlockN);
   };
   const auto load_v = [&](int it) {
     const int stage = StageOf<Traits::kStages>(it);
-    load(&params.v_map, v_tiles, bars.v_full(stage), bars.v_empty(stage), it);
+    tma::Wait(bars.v_empty(stage), ParityOf<Traits::kStages>(it) ^ 1);
+    source.LoadValues(v_tiles + stage * Traits::kKVTileBytes, bars.v_full(stage),
+                      (n_block_last - it) * kBlockN);
   };
   load_k(0);
   for (int it = 1; it < num_tiles; ++it) {
@@ -246,9 +289,9 @@ __device__ __forceinline__ void ProduceTiles(const FusedForwardTmaParams& params
 
 }  // namespace sm90_tma
 
-template <typename Traits>
+template <typename Traits, typename Source = sm90_tma::DenseKvTiles<Traits>>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    FusedForwardSm90TmaKernel(const __grid_constant__ FusedForwardTmaParams params) {
+    FusedForwardSm90TmaKernel(const __grid_constant__ typename Source::Params params) {
 #ifdef ATTN_WGMMA_AVAILABLE
   using namespace sm90_tma;
   using Element = typename Traits::Element;
@@ -295,16 +338,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
     tma::ReleaseRegisters<kSm90TmaProducerRegisters>();
-    if (threadIdx.x == 0 && num_tiles > 0) {
-      const bool varlen = p.cu_seqlens_q != nullptr;
-      const TileCoordinates at{
-          varlen ? static_cast<int>(seq.q_start) + row0 : row0,
-          varlen ? static_cast<int>(seq.k_start) : 0,
-          varlen ? 0 : static_cast<int>(blockIdx.z),
-          block.head,
-          block.kv_head(p),
-      };
-      ProduceTiles<Traits>(params, bars, q_tile, k_tiles, v_tiles, at, n_block_last, num_tiles);
+    if (threadIdx.x < Source::kProducerThreads && num_tiles > 0) {
+      const Source source(params, block);
+      ProduceTiles<Traits>(source, bars, q_tile, k_tiles, v_tiles, n_block_last, num_tiles);
     }
     return;
   }
