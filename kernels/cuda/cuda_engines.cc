@@ -220,6 +220,7 @@ class CudaFusedEngine final : public Engine {
     params.block_table = kv.block_table;
     params.max_blocks = kv.max_blocks;
     params.page_stride = kv.page_stride;
+    params.num_pages = kv.num_pages;
     while ((1 << params.page_shift) < kv.page_tokens) ++params.page_shift;
     params.v_offset = kv.v_offset(p);
     params.plan = plan;

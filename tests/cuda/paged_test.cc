@@ -39,12 +39,15 @@ namespace {
 using cuda::PagedKernel;
 
 // A problem's K and V in a device page pool: blocks in shuffled pages, `spare` poisoned pages
-// mixed in, every page `pad` elements longer than its two blocks, the table's unused entries -1.
+// mixed in, every page `pad` elements longer than its two blocks, the table's unused entries -1
+// (or with `unused_to_spare` the index of a poisoned spare page, so that a kernel reading a slot
+// past a sequence's blocks finds NaNs instead of faulting).
 class DevicePages {
  public:
   static absl::StatusOr<DevicePages> Make(const AttentionProblem& p, const HostTensor& k,
                                           const HostTensor& v, int page_tokens, uint64_t seed,
-                                          int spare = 3, int pad = 8) {
+                                          int spare = 3, int pad = 8,
+                                          bool unused_to_spare = false) {
     DevicePages d;
     const int64_t es = DTypeSize(p.dtype);
     const int64_t row = PagedKV::TokenStride(p);
@@ -68,7 +71,9 @@ class DevicePages {
     poison.Poison();
     std::vector<uint8_t> pool(static_cast<size_t>(d.kv_.num_pages * d.kv_.page_stride * es));
     for (size_t i = 0; i < pool.size(); i += es) std::memcpy(&pool[i], poison.data(), es);
-    std::vector<int32_t> table(static_cast<size_t>(p.batch()) * d.kv_.max_blocks, -1);
+    const int32_t unused =
+        unused_to_spare && spare > 0 ? order[static_cast<size_t>(total_blocks)] : -1;
+    std::vector<int32_t> table(static_cast<size_t>(p.batch()) * d.kv_.max_blocks, unused);
     const int64_t v_offset = d.kv_.v_offset(p);
     const size_t row_bytes = static_cast<size_t>(row * es);
     int64_t next = 0;
@@ -111,7 +116,10 @@ struct PagedCase {
   PagedKernel kernel = PagedKernel::kAuto;  // forced kernel, or the plan's
   int splits = 0;                           // forced decode splits, or the heuristic's
   bool with_lse = true;
-  bool portable = false;  // the mma.sync prefill on Hopper too
+  // The prefill kernel pinned (kPortable: the mma.sync one on Hopper too; kSm90Lockstep,
+  // kSm90Tma: the Hopper ones, whose cases skip off Hopper), or the launch's choice.
+  cuda::FusedKernel prefill = cuda::FusedKernel::kAuto;
+  bool unused_to_spare = false;  // DevicePages::Make
 };
 
 void PrintTo(const PagedCase& c, std::ostream* os) {
@@ -128,6 +136,81 @@ std::vector<int64_t> SessionLengths(int n, int64_t most) {
   std::vector<int64_t> lengths(n);
   for (int i = 0; i < n; ++i) lengths[i] = i % 11 == 5 ? 0 : (int64_t{i} * 7919 + 13) % (most + 1);
   return lengths;
+}
+
+// The warp-specialised prefill pinned (FusedForwardParams::kernel = kSm90Tma) and forced as
+// the plan's kernel, over every page size it takes (8 tokens, a box of one swizzle atom, to 256:
+// smaller than, equal to and larger than its 128- and 64-key tiles) and every head dim: ragged
+// batches whose key lengths end inside pages, on page and tile edges, with sequences without
+// queries or without keys; uniform batches (the Q map's other coordinates); GQA 1, 4, 8 and MQA;
+// windows; rings wrapped many times; q longer than k; without the LSE; table slots past the
+// sequences naming a poisoned page; a decode-sized call.
+void AddTmaPrefillCases(std::vector<PagedCase>& cases) {
+  const auto add = [&](std::string name, AttentionProblem problem, int page) {
+    PagedCase c{absl::StrCat("tma_", name), std::move(problem), page};
+    c.kernel = PagedKernel::kPrefill;
+    c.prefill = cuda::FusedKernel::kSm90Tma;
+    cases.push_back(std::move(c));
+    return &cases.back();
+  };
+  const int pages[] = {8, 16, 32, 64, 128, 256};
+  const int dims[] = {64, 96, 128, 256};
+  for (int pi = 0; pi < 6; ++pi) {
+    for (int di = 0; di < 4; ++di) {
+      const bool causal = (pi + di) % 2 == 0;
+      const DType t = (pi + di / 2) % 2 == 0 ? DType::kBF16 : DType::kF16;
+      add(absl::StrCat("ragged_p", pages[pi], "_d", dims[di], causal ? "_causal" : "",
+                       t == DType::kBF16 ? "_bf16" : "_f16"),
+          Varlen(t, {160, 1, 33, 129, 0, 7, 200}, {1013, 177, 33, 256, 40, 0, 129}, 8, 2, dims[di],
+                 causal),
+          pages[pi]);
+    }
+  }
+  // Key lengths from 1 to 257 on and beside the edges of 8-row boxes, pages and 64- and 128-key
+  // tiles, 1 to 17 query rows each.
+  for (int page : {8, 16, 128, 256}) {
+    for (int d : {64, 256}) {
+      add(absl::StrCat("edges_p", page, "_d", d),
+          Varlen(DType::kBF16, {17, 1, 9, 16, 17, 5, 3, 2, 1}, {1, 7, 8, 9, 63, 64, 65, 128, 257},
+                 4, 2, d, false),
+          page);
+    }
+  }
+  for (int page : {16, 128}) {
+    for (bool causal : {false, true}) {
+      add(absl::StrCat("uniform_p", page, causal ? "_causal" : "", "_d128"),
+          DenseProblem(DType::kBF16, 3, 200, 777, 8, 8, 128, causal), page);
+      add(absl::StrCat("uniform_p", page, causal ? "_causal" : "", "_d64_f16"),
+          DenseProblem(DType::kF16, 2, 256, 256, 4, 1, 64, causal), page);
+    }
+  }
+  add("mqa16_p64_d128", Varlen(DType::kF16, {177, 64}, {1013, 300}, 16, 1, 128, true), 64);
+  add("gqa4_32x8_p16_d64", Varlen(DType::kBF16, {130, 5}, {500, 4099}, 32, 8, 64, true), 16);
+  add("gqa8_p8_d96", Varlen(DType::kBF16, {129}, {1000}, 16, 2, 96, false), 8);
+  for (int page : {16, 256}) {
+    for (int d : {64, 128}) {
+      add(absl::StrCat("long_p", page, "_d", d),
+          Varlen(DType::kBF16, {256, 129}, {4099, 2048}, 2, 1, d, page == 16), page);
+    }
+  }
+  add("long_p32_d256", Varlen(DType::kF16, {200}, {3001}, 4, 4, 256, true), 32);
+  AttentionProblem window = Varlen(DType::kBF16, {300, 40}, {1013, 1013}, 8, 2, 128, true);
+  window.window_left = 100;
+  add("window100_p16", window, 16);
+  AttentionProblem two_sided = Varlen(DType::kF16, {177, 64}, {1013, 100}, 4, 4, 64, false);
+  two_sided.window_left = 64;
+  two_sided.window_right = 16;
+  add("window64_16_p128", two_sided, 128);
+  add("window64_16_p8", two_sided, 8);
+  add("q_longer_than_k_p16", Varlen(DType::kF16, {300, 40}, {100, 3}, 8, 2, 128, true), 16);
+  add("no_lse_p64", Varlen(DType::kBF16, {300}, {777}, 8, 2, 128, true), 64)->with_lse = false;
+  for (int page : {8, 64, 256}) {
+    add(absl::StrCat("spare_in_unused_slots_p", page),
+        Varlen(DType::kBF16, {100, 33, 64}, {77, 33, 1}, 8, 2, 128, false), page)
+        ->unused_to_spare = true;
+  }
+  add("decode_sized_p16", Varlen(DType::kBF16, {1, 1, 2}, {1013, 9, 300}, 8, 2, 128, true), 16);
+  add("all_empty_p16", Varlen(DType::kBF16, {3, 2}, {0, 0}, 8, 2, 64, true), 16);
 }
 
 std::vector<PagedCase> Cases() {
@@ -222,19 +305,39 @@ std::vector<PagedCase> Cases() {
     add({absl::StrCat("prefill_causal_p", page),
          Varlen(DType::kBF16, {300, 1, 33}, {1013, 177, 33}, 8, 2, 128, true), page});
   }
-  // The portable (mma.sync) prefill, which Hopper runs only for head dims without wgmma.
+  // The portable (mma.sync) prefill, which Hopper runs only for head dims without wgmma, and
+  // the lockstep wgmma one, which it runs where the warp-specialised one cannot.
   for (int page : {16, 128}) {
     for (int d : {64, 128}) {
       PagedCase c{absl::StrCat("prefill_portable_d", d, "_p", page),
                   Varlen(DType::kBF16, {300, 1, 33}, {1013, 177, 33}, 8, 2, d, true), page};
-      c.portable = true;
+      c.prefill = cuda::FusedKernel::kPortable;
       add(c);
     }
   }
+  for (int page : {1, 16, 128, 256}) {
+    for (int d : {64, 128}) {
+      PagedCase c{absl::StrCat("prefill_lockstep_d", d, "_p", page),
+                  Varlen(DType::kF16, {300, 1, 33}, {1013, 177, 33}, 8, 2, d, page % 2 == 0), page};
+      c.prefill = cuda::FusedKernel::kSm90Lockstep;
+      add(c);
+    }
+  }
+  AddTmaPrefillCases(cases);
   AttentionProblem prefill_window = Varlen(DType::kF16, {177}, {1013}, 4, 4, 64, false);
   prefill_window.window_left = 64;
   prefill_window.window_right = 16;
   add({"prefill_window_p16", prefill_window, 16});
+  // Pages the warp-specialised prefill refuses (fewer than 8 tokens) run on the next kernel
+  // without a word: the lockstep one at 64 and 128, the portable one at 96.
+  for (int page : {1, 2, 4}) {
+    for (int d : {64, 96, 128}) {
+      PagedCase c{absl::StrCat("prefill_refused_by_tma_p", page, "_d", d),
+                  Varlen(DType::kBF16, {300, 17}, {1013, 40}, 8, 2, d, page != 2), page};
+      c.kernel = PagedKernel::kPrefill;
+      add(c);
+    }
+  }
 
   // Each kernel on the other's problems.
   PagedCase decode_on_prefill{"decode_kernel_on_prefill",
@@ -274,7 +377,8 @@ void RunAndCheck(Engine& engine, const PagedCase& c, uint64_t seed) {
   auto ref = RunReference(p, t, /*backward=*/false);
   ASSERT_TRUE(ref.ok()) << ref.status();
 
-  auto pages = DevicePages::Make(p, t.k, t.v, c.page_tokens, seed + 3);
+  auto pages = DevicePages::Make(p, t.k, t.v, c.page_tokens, seed + 3, /*spare=*/3, /*pad=*/8,
+                                 c.unused_to_spare);
   ASSERT_TRUE(pages.ok()) << pages.status();
   t.o.Poison();
   PoisonFloats(t.lse);
@@ -315,15 +419,27 @@ std::unique_ptr<Engine> PagedEngine(const PagedCase& c) {
   cuda::PagedOverrides overrides;
   overrides.kernel = c.kernel;
   overrides.decode_splits = c.splits;
-  auto engine = MakeCudaFusedEngine(
-      EngineOptions{}, c.portable ? cuda::FusedKernel::kPortable : cuda::FusedKernel::kAuto,
-      overrides);
+  auto engine = MakeCudaFusedEngine(EngineOptions{}, c.prefill, overrides);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
 
+// Whether the current device is a Hopper GPU (compute capability 9.x), where the Hopper prefill
+// kernels must run when pinned (the build holds sm_90a code: CMAKE_CUDA_ARCHITECTURES 90a).
+bool OnHopper() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+         major == 9;
+}
+
+bool PinsHopperPrefill(const PagedCase& c) {
+  return c.prefill == cuda::FusedKernel::kSm90Lockstep || c.prefill == cuda::FusedKernel::kSm90Tma;
+}
+
 TEST_P(CudaPagedTest, MatchesReference) {
   const PagedCase& c = GetParam();
+  if (PinsHopperPrefill(c) && !OnHopper()) GTEST_SKIP() << "a Hopper prefill kernel pinned";
   std::unique_ptr<Engine> engine = PagedEngine(c);
   ASSERT_NE(engine, nullptr);
   const uint64_t seed = FreshSeed();
@@ -375,6 +491,51 @@ TEST(CudaPaged, RefusesMisalignedPages) {
   EXPECT_TRUE(absl::StrContains(s.message(), "kv.pages")) << s;
 }
 
+// A pinned Hopper prefill kernel that cannot run answers UNIMPLEMENTED and writes nothing:
+// the warp-specialised one on pages of fewer than 8 tokens and at head_dim 32 (no such row),
+// the lockstep one at 96 (no such row).
+TEST(CudaPaged, PinnedPrefillRefusesWhatItCannotRun) {
+  ATTN_SKIP_WITHOUT_CUDA();
+  if (!OnHopper()) GTEST_SKIP() << "the Hopper prefill kernels";
+  struct Refused {
+    cuda::FusedKernel kernel;
+    int head_dim, page_tokens;
+  };
+  for (const Refused& r :
+       {Refused{cuda::FusedKernel::kSm90Tma, 128, 4}, Refused{cuda::FusedKernel::kSm90Tma, 64, 1},
+        Refused{cuda::FusedKernel::kSm90Tma, 32, 16},
+        Refused{cuda::FusedKernel::kSm90Lockstep, 96, 16}}) {
+    const AttentionProblem p = Varlen(DType::kBF16, {200}, {300}, 4, 2, r.head_dim, true);
+    SCOPED_TRACE(absl::StrCat(p.DebugString(), " page_tokens=", r.page_tokens));
+    AttentionTensors t;
+    t.q = HostTensor(p.dtype, p.total_q(), p.num_heads, p.head_dim);
+    t.k = HostTensor(p.dtype, p.total_k(), p.num_kv_heads, p.head_dim);
+    t.v = HostTensor(p.dtype, p.total_k(), p.num_kv_heads, p.head_dim);
+    t.o = HostTensor(p.dtype, p.total_q(), p.num_heads, p.head_dim);
+    t.lse.assign(static_cast<size_t>(p.total_q() * p.num_heads), 0.f);
+    t.q.FillRandom(1);
+    t.k.FillRandom(2);
+    t.v.FillRandom(3);
+    t.o.Poison();
+    auto pages = DevicePages::Make(p, t.k, t.v, r.page_tokens, 4);
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    auto device = DeviceForward::Upload(t);
+    ASSERT_TRUE(device.ok()) << device.status();
+    cuda::PagedOverrides overrides;
+    overrides.kernel = PagedKernel::kPrefill;
+    auto engine = MakeCudaFusedEngine(EngineOptions{}, r.kernel, overrides);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    PagedForwardArgs args;
+    args.q = device->args().q;
+    args.o = device->args().o;
+    args.kv = pages->kv();
+    const absl::Status s = (*engine)->ForwardPaged(p, args);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    ASSERT_TRUE(device->Download(t).ok());
+    EXPECT_EQ(t.o.CountPoisoned(), p.total_q() * p.num_heads * p.head_dim) << "O was written";
+  }
+}
+
 // ---- Without a device: what the engines answer, and the plan.
 
 Support Paged(EngineKind kind, const AttentionProblem& p) {
@@ -390,6 +551,11 @@ TEST(PagedSupport, FusedCoversTheTablesRows) {
   for (DType t : {DType::kF16, DType::kBF16}) {
     for (int d : {32, 64, 96, 128, 256}) {
       EXPECT_TRUE(cuda::HasFusedKernel(Pass::kPagedForward, t, d)) << DTypeName(t) << " " << d;
+      // The Hopper prefill kernels: lockstep at 64 and 128, warp-specialised from 64 up.
+      EXPECT_EQ(cuda::HasFusedKernel(Pass::kPagedForward, t, d, cuda::kSm90a), d == 64 || d == 128)
+          << DTypeName(t) << " " << d;
+      EXPECT_EQ(cuda::HasFusedKernel(Pass::kPagedForward, t, d, cuda::kSm90aTma), d >= 64)
+          << DTypeName(t) << " " << d;
     }
   }
 }

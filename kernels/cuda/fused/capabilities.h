@@ -23,8 +23,9 @@ inline constexpr uint8_t kSm90aTma = FusedArch::kSm90aTma;
 
 // The lockstep wgmma kernels exist for head_dim 64 and 128 (FusedForwardSm90Traits): the
 // forward's, and the paged forward's prefill (its decode kernel is mma.sync everywhere: it is
-// bound by memory, paged_forward.h). The forward's rows at 64, 96, 128 and 256 hold the
-// warp-specialised TMA kernel (kSm90aTma, FusedForwardSm90TmaTraits); at 96 and 256 it is the
+// bound by memory, paged_forward.h). The forward's and the paged forward's rows at 64, 96, 128
+// and 256 hold the warp-specialised TMA kernel (kSm90aTma, FusedForwardSm90TmaTraits; over
+// pages its prefill, with the paged source of paged_tma_source.cuh); at 96 and 256 it is the
 // only Hopper kernel (no kSm90a). The backward's rows at 64, 96 and 128 hold the Hopper backward
 // (kSm90aTma: TMA and wgmma, FusedBackwardSm90Traits; 96 on the tiles of 128); at 32 the
 // backward has the portable kernel only, and at 256 none.
@@ -50,15 +51,15 @@ inline constexpr FusedCapability kFusedKernels[] = {
     {Pass::kBackward,     DType::kBF16, 96,       kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kBF16, 128,      kSm80 | kSm90aTma},
     {Pass::kPagedForward, DType::kF16,  32,       kSm80},
-    {Pass::kPagedForward, DType::kF16,  64,       kSm80 | kSm90a},
-    {Pass::kPagedForward, DType::kF16,  96,       kSm80},
-    {Pass::kPagedForward, DType::kF16,  128,      kSm80 | kSm90a},
-    {Pass::kPagedForward, DType::kF16,  256,      kSm80},
+    {Pass::kPagedForward, DType::kF16,  64,       kSm80 | kSm90a | kSm90aTma},
+    {Pass::kPagedForward, DType::kF16,  96,       kSm80 | kSm90aTma},
+    {Pass::kPagedForward, DType::kF16,  128,      kSm80 | kSm90a | kSm90aTma},
+    {Pass::kPagedForward, DType::kF16,  256,      kSm80 | kSm90aTma},
     {Pass::kPagedForward, DType::kBF16, 32,       kSm80},
-    {Pass::kPagedForward, DType::kBF16, 64,       kSm80 | kSm90a},
-    {Pass::kPagedForward, DType::kBF16, 96,       kSm80},
-    {Pass::kPagedForward, DType::kBF16, 128,      kSm80 | kSm90a},
-    {Pass::kPagedForward, DType::kBF16, 256,      kSm80},
+    {Pass::kPagedForward, DType::kBF16, 64,       kSm80 | kSm90a | kSm90aTma},
+    {Pass::kPagedForward, DType::kBF16, 96,       kSm80 | kSm90aTma},
+    {Pass::kPagedForward, DType::kBF16, 128,      kSm80 | kSm90a | kSm90aTma},
+    {Pass::kPagedForward, DType::kBF16, 256,      kSm80 | kSm90aTma},
 };
 // clang-format on
 

@@ -14,7 +14,8 @@ namespace attn::cuda {
 // (mma.sync) kernel. The others pin one kernel, for tests and benchmarks: kPortable runs
 // everywhere; kSm90Lockstep (fused_forward_sm90_kernel.cuh) and kSm90Tma (the warp-specialised
 // fused_forward_sm90_tma_kernel.cuh) only on Hopper, and the launch answers UNIMPLEMENTED where
-// the pinned kernel cannot run. The paged forward tells only kPortable from the rest.
+// the pinned kernel cannot run. The paged forward's prefill takes the same pins (its paged
+// kernels: paged_forward.h); its decode kernel runs whatever is pinned.
 enum class FusedKernel : uint8_t { kAuto, kPortable, kSm90Lockstep, kSm90Tma };
 
 // Plain kernel parameters: device pointers, strides in elements, sizes. The backward's params

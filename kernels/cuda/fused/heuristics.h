@@ -59,6 +59,18 @@ constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
   return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
 }
 
+// The same kernel over pages (the paged prefill, paged_tma_source.cuh): its key tiles are a
+// power of two, so that with power-of-two pages a tile is a piece of one page or whole pages.
+// At 64, 96 and 128 the masked shapes above, for masked and full problems alike (dense, the
+// 128-key tile ran level with the 192-key one unmasked at 64 and 5-12% behind the 176-key one
+// at 128, docs/cuda-fused.md); at 256, 64 keys: 128 would need 256 KiB of K and V stages beside
+// Q's 64, and 2 stages of 32 KiB each fit in 192 KiB. Not yet measured over pages.
+constexpr Sm90TmaTileShape Sm90TmaPagedTileShape(int head_dim) {
+  if (head_dim <= 64) return {128, 3};
+  if (head_dim <= 128) return {128, 2};
+  return {64, 2};
+}
+
 // Registers a thread of each role keeps after setmaxnreg: the producer needs few, and the two
 // consumer warpgroups take the rest of the SM's 64K (128 x 24 + 256 x 240 = 64512).
 inline constexpr int kSm90TmaProducerRegisters = 24;

@@ -98,6 +98,11 @@ absl::Status LaunchPagedForward(const PagedForwardParams& p, void* stream) {
   const cudaError_t err = DispatchFusedKernel<Pass::kPagedForward>(
       p.dtype, p.head_dim, cudaErrorInvalidValue,
       [&]<DType kDType, int kHeadDim>() { return RunPagedForward<kDType, kHeadDim>(p, s); });
+  if (err == cudaErrorNotSupported) {
+    return absl::UnimplementedError(
+        "cuda_fused: the pinned paged prefill kernel (FusedForwardParams::kernel) cannot run on "
+        "this device, build or layout");
+  }
   if (err != cudaSuccess) {
     return absl::InternalError(
         absl::StrCat("cuda_fused: paged kernel launch failed: ", cudaGetErrorString(err)));

@@ -7,8 +7,12 @@
 //     group times the query tokens, so a page is read once per group; long contexts split
 //     across CTAs (split-KV), each writing a float32 partial O and its LSE, which the last of a
 //     tile's splits to finish merges by the online-softmax rule (paged_combine.cuh);
-//   - prefill (paged_prefill_kernel.cuh): the portable fused forward's algorithm, one CTA per
-//     (128 query rows, head, sequence), its K/V tiles gathered from pages.
+//   - prefill, one CTA per (128 query rows, head, sequence) as the dense forward: on Hopper the
+//     warp-specialised kernel (fused_forward_sm90_tma_kernel.cuh) with the paged K/V source of
+//     paged_tma_source.cuh, where it applies (pages of at least 8 tokens, tensors the copy engine
+//     can address); else the lockstep wgmma kernel (paged_prefill_sm90_kernel.cuh) at head_dim
+//     64 and 128, and the portable one (paged_prefill_kernel.cuh), both gathering their K/V
+//     tiles from pages with cp.async. FusedForwardParams::kernel pins one of them.
 // PlanPagedForward picks the kernel and the split count (heuristics.h); the caller leases the
 // workspace the plan asks for and launches.
 #pragma once
@@ -60,6 +64,7 @@ struct PagedForwardParams : FusedForwardParams {
   const int32_t* block_table = nullptr;  // [batch, max_blocks]
   int max_blocks = 0;
   int64_t page_stride = 0;  // elements
+  int64_t num_pages = 0;    // pages in the pool: the TMA prefill's bounds (0: it does not run)
   int page_shift = 0;       // log2(page_tokens)
   int64_t v_offset = 0;     // elements from a page's K block to its V block
   PagedForwardPlan plan;
@@ -68,7 +73,8 @@ struct PagedForwardParams : FusedForwardParams {
   int* split_counters = nullptr;  // plan.split_counters of them
 };
 
-// Checks alignment (16-byte rows and pages) and launches the plan's kernels on `stream`.
+// Checks alignment (16-byte rows and pages) and launches the plan's kernels on `stream`;
+// UNIMPLEMENTED where a pinned prefill kernel (FusedForwardParams::kernel) cannot run.
 absl::Status LaunchPagedForward(const PagedForwardParams& params, void* stream);
 
 }  // namespace attn::cuda

@@ -1,9 +1,11 @@
-// The paged prefill kernel for Hopper (sm_90a): the wgmma fused forward
+// The lockstep paged prefill kernel for Hopper (sm_90a): the wgmma fused forward
 // (fused_forward_sm90_kernel.cuh) with its K and V tiles gathered from pages, the same traits,
 // main loop and epilogue: two warpgroups of 64 query rows, K/V tiles double-buffered in the
 // 128-byte-swizzled layout wgmma reads, S = Q K^T and P V on warpgroup MMA with P from
 // registers. Only the rows' source differs: a tile is a piece of one page when page_tokens >=
-// kBlockN (one block-table read), and otherwise each row finds its page.
+// kBlockN (one block-table read), and otherwise each row finds its page. It runs where the
+// warp-specialised paged prefill (paged_tma_source.cuh) cannot: pages of fewer than 8 tokens,
+// tensors the copy engine cannot address.
 #pragma once
 
 #include <cmath>

@@ -3,6 +3,8 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 
 namespace attn::cuda {
 namespace {
@@ -81,13 +83,17 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
+cudaError_t EncodeQTensorMap(const FusedForwardParams& p, int head_dim, int box_rows,
+                             CUtensorMap* q_map) {
+  return EncodeTokenTensorMap(BatchTensorView(p, p.q, head_dim, p.seqlen_q, p.total_q, p.num_heads,
+                                              p.q_token_stride, p.q_head_stride),
+                              box_rows, q_map);
+}
+
 cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q_box_rows,
                                 int kv_box_rows, CUtensorMap* q_map, CUtensorMap* k_map,
                                 CUtensorMap* v_map) {
-  cudaError_t err =
-      EncodeTokenTensorMap(BatchTensorView(p, p.q, head_dim, p.seqlen_q, p.total_q, p.num_heads,
-                                           p.q_token_stride, p.q_head_stride),
-                           q_box_rows, q_map);
+  cudaError_t err = EncodeQTensorMap(p, head_dim, q_box_rows, q_map);
   if (err == cudaSuccess) {
     err = EncodeTokenTensorMap(BatchTensorView(p, p.k, head_dim, p.seqlen_k, p.total_k,
                                                p.num_kv_heads, p.k_token_stride, p.k_head_stride),
@@ -97,6 +103,31 @@ cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q
     err = EncodeTokenTensorMap(BatchTensorView(p, p.v, head_dim, p.seqlen_k, p.total_k,
                                                p.num_kv_heads, p.v_token_stride, p.v_head_stride),
                                kv_box_rows, v_map);
+  }
+  return err;
+}
+
+cudaError_t EncodePagedKvTensorMaps(const PagedForwardParams& p, int box_rows, CUtensorMap* k_map,
+                                    CUtensorMap* v_map) {
+  if (p.num_pages <= 0 || p.num_pages > std::numeric_limits<int32_t>::max() || p.page_shift < 0 ||
+      p.page_shift > 30) {
+    return cudaErrorNotSupported;
+  }
+  TokenTensorView view;
+  view.data = p.k;
+  view.dtype = p.dtype;
+  view.head_dim = p.head_dim;
+  view.rows = int64_t{1} << p.page_shift;
+  view.heads = p.num_kv_heads;
+  view.sequences = static_cast<int>(p.num_pages);
+  view.token_stride = p.k_token_stride;
+  view.head_stride = p.k_head_stride;
+  view.sequence_stride = p.page_stride;
+  cudaError_t err = EncodeTokenTensorMap(view, box_rows, k_map);
+  if (err == cudaSuccess) {
+    constexpr int64_t kElementBytes = 2;
+    view.data = static_cast<const char*>(p.v) + p.v_offset * kElementBytes;
+    err = EncodeTokenTensorMap(view, box_rows, v_map);
   }
   return err;
 }

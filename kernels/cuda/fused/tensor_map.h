@@ -10,6 +10,7 @@
 
 #include "attn/dtype.h"
 #include "cuda/fused/fused_forward.h"
+#include "cuda/fused/paged_forward.h"
 
 namespace attn::cuda {
 
@@ -37,11 +38,25 @@ TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, i
                                 int64_t seqlen, int64_t total, int heads, int64_t token_stride,
                                 int64_t head_stride);
 
+// The map of `p`'s Q, boxes of `box_rows` rows, through BatchTensorView and
+// EncodeTokenTensorMap.
+cudaError_t EncodeQTensorMap(const FusedForwardParams& p, int head_dim, int box_rows,
+                             CUtensorMap* q_map);
+
 // The maps of `p`'s Q (boxes of `q_box_rows` rows) and K and V (`kv_box_rows`), each through
 // BatchTensorView and EncodeTokenTensorMap: the first error, or cudaSuccess.
 cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q_box_rows,
                                 int kv_box_rows, CUtensorMap* q_map, CUtensorMap* k_map,
                                 CUtensorMap* v_map);
+
+// The page pool's K blocks and its V blocks (attn/paged_kv.h: pages p.page_stride elements
+// apart from p.k, a page's V block p.v_offset elements after its K block) as two maps through
+// EncodeTokenTensorMap, in (head_dim, token in page, KV head, page) coordinates: a view of
+// page_tokens rows, num_kv_heads heads and num_pages sequences. Boxes of `box_rows` tokens of
+// one page; pages at or past num_pages read as zeros. cudaErrorNotSupported as
+// EncodeTokenTensorMap, and for a pool of no pages or of 2^31 pages or more.
+cudaError_t EncodePagedKvTensorMaps(const PagedForwardParams& p, int box_rows, CUtensorMap* k_map,
+                                    CUtensorMap* v_map);
 
 // Encodes the map of `view` with boxes of 128 bytes of columns (the 128-byte swizzle's span: 64
 // 16-bit elements, 32 float32) by `box_rows` rows of one head of one sequence, stored 128-byte

@@ -36,6 +36,13 @@ __device__ __forceinline__ void ArriveExpectBytes(uint32_t bar, uint32_t bytes) 
                 : "memory");
 }
 
+// Announces `bytes` of copies that will complete on the current phase, without arriving: for a
+// phase whose one arrival must wait for other writes (the paged source's tail rows).
+__device__ __forceinline__ void ExpectBytes(uint32_t bar, uint32_t bytes) {
+  ATTN_SM90_ASM("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                : "memory");
+}
+
 __device__ __forceinline__ void Arrive(uint32_t bar) {
   ATTN_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
