@@ -20,8 +20,11 @@
 //   --heads=32 --kv_heads=8 --q_tokens=1 --page_tokens=0 (0: the heuristic's)
 //   --splits=0 (0: the heuristic's; a list sweeps forced counts) --min_ms=50 --warmup_ms=10
 //   --max_repeats=200 --spin_us=50 --copy_mb=2048 --l2_sets=8 (sets x L2 the rotation exceeds)
-//   --prefill=N (also time the paged prefill of batch 16384/N x N tokens against the dense
-//   fused forward on the same problem, TFLOP/s)
+//   --prefill=N,... (also time the paged prefill of batch 16384/N x N tokens, causal and not, at
+//   each --page_tokens, against the dense fused forward on the same problem, TFLOP/s: the
+//   paged kernel of the launch's choice ("paged") and each prefill kernel pinned,
+//   "paged_tma" (warp-specialised), "paged_lockstep", "paged_portable"; a pin that cannot run
+//   prints its status) --decode=0 (skip the decode grid)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -62,7 +65,8 @@ struct Flags {
   int max_repeats = 200;
   int64_t copy_mb = 2048;
   int l2_sets = 8;
-  int prefill = 0;
+  std::vector<int> prefill;
+  bool decode = true;
   bool json = false;
 };
 
@@ -152,11 +156,17 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     } else if (name == "l2_sets") {
       ATTN_ASSIGN_OR_RETURN(f.l2_sets, ParseInt(value));
     } else if (name == "prefill") {
-      ATTN_ASSIGN_OR_RETURN(f.prefill, ParseInt(value));
+      s = ParseInts(value, f.prefill);
+    } else if (name == "decode") {
+      ATTN_ASSIGN_OR_RETURN(const int decode, ParseInt(value));
+      f.decode = decode != 0;
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag: --", name));
     }
     if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", s.message()));
+  }
+  for (int n : f.prefill) {
+    if (n <= 0) return absl::InvalidArgumentError("--prefill: lengths must be positive");
   }
   return f;
 }
@@ -379,10 +389,20 @@ absl::Status RunDecode(const Flags& f, const cuda::PagedDevice& device, double c
 }
 
 // The paged prefill against the dense fused forward on one problem: batch 16384 / n sequences
-// of n tokens, causal and not, the decode shapes' heads; TFLOP/s.
-absl::Status RunPrefill(const Flags& f, cudaStream_t stream) {
-  const int n = f.prefill;
+// of n tokens, causal and not, the decode shapes' heads, pages of each --page_tokens; TFLOP/s.
+absl::Status RunPrefill(const Flags& f, int n, cudaStream_t stream) {
   const int batch = std::max(1, 16384 / n);
+  struct Variant {
+    const char* name;
+    cuda::FusedKernel kernel;
+    bool paged;
+  };
+  const Variant dense[] = {{"dense_auto", cuda::FusedKernel::kAuto, false},
+                           {"dense_portable", cuda::FusedKernel::kPortable, false}};
+  const Variant paged[] = {{"paged", cuda::FusedKernel::kAuto, true},
+                           {"paged_tma", cuda::FusedKernel::kSm90Tma, true},
+                           {"paged_lockstep", cuda::FusedKernel::kSm90Lockstep, true},
+                           {"paged_portable", cuda::FusedKernel::kPortable, true}};
   for (int causal : {0, 1}) {
     const AttentionProblem p =
         DenseProblem(f.dtype, batch, n, n, f.heads, f.kv_heads, f.d, causal != 0);
@@ -399,47 +419,48 @@ absl::Status RunPrefill(const Flags& f, cudaStream_t stream) {
     ATTN_RETURN_IF_ERROR(FillRandomNormal(q.get(), q_elements, f.dtype, 1, stream));
     ATTN_RETURN_IF_ERROR(FillRandomNormal(k.get(), kv_elements, f.dtype, 2, stream));
     ATTN_RETURN_IF_ERROR(FillRandomNormal(v.get(), kv_elements, f.dtype, 3, stream));
-    const int page_tokens = cuda::PagedKvPageTokens(f.d);
-    ATTN_ASSIGN_OR_RETURN(PagePools pools, MakePools(p, page_tokens, 1, 5));
     const double flops = p.forward_flops();
-    struct Variant {
-      const char* name;
-      cuda::FusedKernel kernel;
-      bool paged;
-    };
-    for (const Variant& variant : {Variant{"dense_auto", cuda::FusedKernel::kAuto, false},
-                                   Variant{"dense_portable", cuda::FusedKernel::kPortable, false},
-                                   Variant{"paged", cuda::FusedKernel::kAuto, true}}) {
-      ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                            MakeCudaFusedEngine(EngineOptions{}, variant.kernel));
-      const auto call = [&](int) {
-        if (variant.paged) {
-          PagedForwardArgs a;
+    const auto time = [&](const Variant& variant, const PagedKV* kv, int page_tokens) {
+      absl::StatusOr<std::unique_ptr<Engine>> engine =
+          MakeCudaFusedEngine(EngineOptions{}, variant.kernel);
+      absl::StatusOr<std::pair<double, int>> timed = absl::InternalError("not run");
+      if (!engine.ok()) {
+        timed = engine.status();
+      } else {
+        timed = TimeCalls(f, stream, [&](int) {
+          if (variant.paged) {
+            PagedForwardArgs a;
+            a.q = Packed<const void*>(q.get(), f.heads, f.d);
+            a.kv = *kv;
+            a.o = Packed<void*>(o.get(), f.heads, f.d);
+            a.stream = stream;
+            return (*engine)->ForwardPaged(p, a);
+          }
+          ForwardArgs a;
           a.q = Packed<const void*>(q.get(), f.heads, f.d);
-          a.kv = pools.views[0];
+          a.k = Packed<const void*>(k.get(), f.kv_heads, f.d);
+          a.v = Packed<const void*>(v.get(), f.kv_heads, f.d);
           a.o = Packed<void*>(o.get(), f.heads, f.d);
           a.stream = stream;
-          return engine->ForwardPaged(p, a);
-        }
-        ForwardArgs a;
-        a.q = Packed<const void*>(q.get(), f.heads, f.d);
-        a.k = Packed<const void*>(k.get(), f.kv_heads, f.d);
-        a.v = Packed<const void*>(v.get(), f.kv_heads, f.d);
-        a.o = Packed<void*>(o.get(), f.heads, f.d);
-        a.stream = stream;
-        return engine->Forward(p, a);
-      };
-      absl::StatusOr<std::pair<double, int>> timed = TimeCalls(f, stream, call);
-      std::string status = timed.ok() ? "ok" : timed.status().ToString();
+          return (*engine)->Forward(p, a);
+        });
+      }
+      const std::string status = timed.ok() ? "ok" : timed.status().ToString();
       const double ms = timed.ok() ? timed->first : 0;
       std::printf(
           "{\"bench\":\"attn_decode_bench\",\"pass\":\"prefill\",\"engine\":\"%s\","
           "\"dtype\":\"%s\",\"d\":%d,\"heads\":%d,\"kv_heads\":%d,\"batch\":%d,\"N\":%d,"
           "\"causal\":%s,\"page_tokens\":%d,\"ms\":%.5f,\"tflops\":%.2f,\"status\":\"%s\"}\n",
           variant.name, ShortDType(f.dtype), f.d, f.heads, f.kv_heads, batch, n,
-          causal ? "true" : "false", variant.paged ? page_tokens : 0, ms,
-          ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0, JsonEscape(status).c_str());
+          causal ? "true" : "false", page_tokens, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0,
+          JsonEscape(status).c_str());
       std::fflush(stdout);
+    };
+    for (const Variant& variant : dense) time(variant, nullptr, 0);
+    for (int page_flag : f.page_tokens) {
+      const int page_tokens = page_flag > 0 ? page_flag : cuda::PagedKvPageTokens(f.d);
+      ATTN_ASSIGN_OR_RETURN(PagePools pools, MakePools(p, page_tokens, 1, 5));
+      for (const Variant& variant : paged) time(variant, &pools.views[0], page_tokens);
     }
   }
   return absl::OkStatus();
@@ -465,8 +486,10 @@ absl::Status Run(const Flags& f) {
         prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_bps / 1e12, "batch",
         "context", "page", "splits", "ms", "TB/s", "of copy");
   }
-  absl::Status status = RunDecode(f, device, copy_bps, stream);
-  if (status.ok() && f.prefill > 0) status = RunPrefill(f, stream);
+  absl::Status status = f.decode ? RunDecode(f, device, copy_bps, stream) : absl::OkStatus();
+  for (int n : f.prefill) {
+    if (status.ok()) status = RunPrefill(f, n, stream);
+  }
   cudaStreamDestroy(stream);
   return status;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of the paged forward and split-KV decode, in one call: the paged tests, the
 # whole CUDA suite, compute-sanitizer memcheck and racecheck on a small paged subset (a ring of
-# stages that wraps, sequence tails, splits and the combine, the prefill's multi-page tiles),
+# stages that wraps, sequence tails, splits and the combine, the prefill's multi-page tiles, the
+# warp-specialised prefill's boxes of one swizzle atom, whole pages and tails),
 # attn_decode_bench (the main grid, then the sweeps that chose the heuristics), and PyTorch
 # SDPA's decode anchors on the same shapes; a short table last: ours against each SDPA backend
 # per row, TB/s and the fraction of the copy bandwidth.
@@ -67,7 +68,7 @@ rm -rf "$xml_dir"
 # 2. compute-sanitizer on a small paged subset.
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 m='Paged/CudaPagedTest.MatchesReference'
-filter=${SANITIZER_FILTER:-"$m/decode_len1013_g1_p1_d128_bf16:$m/decode_len17_g8_p16_d128_f16:$m/splits7_p16:$m/splits300_p256:$m/decode_q5_causal_p16:$m/prefill_causal_p16:$m/prefill_d96_causal_p64"}
+filter=${SANITIZER_FILTER:-"$m/decode_len1013_g1_p1_d128_bf16:$m/decode_len17_g8_p16_d128_f16:$m/splits7_p16:$m/splits300_p256:$m/decode_q5_causal_p16:$m/prefill_causal_p16:$m/prefill_d96_causal_p64:$m/tma_ragged_p8_d128_causal_f16:$m/tma_ragged_p256_d64_f16:$m/tma_edges_p16_d256:$m/tma_spare_in_unused_slots_p64"}
 if [[ $skip != *,sanitizer,* ]] && [[ -x $sanitizer ]]; then
   : >"$out/sanitizer.log"
   for tool in memcheck racecheck; do
