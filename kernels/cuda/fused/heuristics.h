@@ -64,11 +64,22 @@ constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
 // At 64, 96 and 128 the masked shapes above, for masked and full problems alike (dense, the
 // 128-key tile ran level with the 192-key one unmasked at 64 and 5-12% behind the 176-key one
 // at 128, docs/cuda-fused.md); at 256, 64 keys: 128 would need 256 KiB of K and V stages beside
-// Q's 64, and 2 stages of 32 KiB each fit in 192 KiB. Not yet measured over pages.
+// Q's 64, and 2 stages of 32 KiB each fit in 192 KiB.
 constexpr Sm90TmaTileShape Sm90TmaPagedTileShape(int head_dim) {
   if (head_dim <= 64) return {128, 3};
   if (head_dim <= 128) return {128, 2};
   return {64, 2};
+}
+
+// Whether kAuto runs the paged prefill on the warp-specialised kernel rather than the lockstep
+// one (where both exist, head_dim 64 and 128). Over pages shorter than its 128-key tile it
+// issues a copy per page piece: at head_dim 64 with 16-token pages that costs more than it saves
+// (H200, bf16, 16k tokens, N = 1024-16384: 239-276 TFLOP/s against the lockstep kernel's
+// 306-338 unmasked, 192-276 against 232-327 causal); with 64-token pages it wins (255-439
+// against 235-339), as it does at 128 from 16-token pages (297-423 against 225-324).
+// 32-token pages at 64 are not measured and stay on the lockstep kernel. docs/cuda-fused.md.
+constexpr bool PagedPrefillPrefersTma(int head_dim, int page_tokens) {
+  return head_dim > 64 || page_tokens >= 64;
 }
 
 // Registers a thread of each role keeps after setmaxnreg: the producer needs few, and the two

@@ -73,7 +73,10 @@ cudaError_t RunPagedPrefill(const PagedForwardParams& params, cudaStream_t strea
   using Element = typename ElementOf<kDType>::type;
   const FusedKernel pinned = params.kernel;
   if constexpr (HasFusedKernel(Pass::kPagedForward, kDType, kHeadDim, kSm90aTma)) {
-    if (pinned == FusedKernel::kAuto || pinned == FusedKernel::kSm90Tma) {
+    // kAuto: where PagedPrefillPrefersTma says so, or where the lockstep kernel does not exist.
+    const bool auto_tma = !HasFusedKernel(Pass::kPagedForward, kDType, kHeadDim, kSm90a) ||
+                          PagedPrefillPrefersTma(kHeadDim, 1 << params.page_shift);
+    if ((pinned == FusedKernel::kAuto && auto_tma) || pinned == FusedKernel::kSm90Tma) {
       constexpr Sm90TmaTileShape kShape = Sm90TmaPagedTileShape(kHeadDim);
       using Traits = FusedForwardSm90TmaTraits<Element, kHeadDim, kShape.block_n, kShape.stages>;
       const cudaError_t err = LaunchPagedPrefillSm90Tma<Traits>(params, stream);
