@@ -68,10 +68,9 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
   using T = typename ElementOf<kDType>::type;
   const FusedKernel pinned = params.kernel;
   if constexpr (HasFusedKernel(Pass::kBackward, kDType, kHeadDim, kSm90aTma)) {
-    // kAuto takes it wherever it runs: 1.2-1.5x the portable kernel at head_dim 64, 1.6-2.3x at
-    // 128 on the H200 (docs/cuda-fused.md). At 96, not yet measured, by reasoning: it runs the
-    // tiles of 128, a fifth more MMA work than 96 needs (dV, dK and dQ 128 wide; S^T and dP^T
-    // stop at 96), well inside the margin it holds at 128.
+    // kAuto takes it wherever it runs: on the H200 1.3-1.9x the portable kernel at head_dim 64,
+    // 1.4-1.9x at 96 (the tiles of 128, a fifth more MMA work than 96 needs) and 1.6-2.3x at 128
+    // (docs/performance.md).
     if (pinned != FusedKernel::kPortable && aligned_inputs) {
       const cudaError_t err = LaunchFusedBackwardSm90<FusedBackwardSm90Traits<T, kHeadDim>>(
           params, work, aligned_outputs, stream);
