@@ -36,13 +36,7 @@ class CudaFiniteDifferenceTest : public ::testing::TestWithParam<SweepCase> {
   void RunAndCheck(Engine& engine, absl::Status* unavailable = nullptr) {
     const AttentionProblem& p = GetParam().problem;
     AttentionTensors t = AttentionTensors::Make(p, seed_);
-    auto cpu = MustCreate(EngineKind::kCpuReference);
-    ASSERT_NE(cpu, nullptr);
-    ASSERT_TRUE(cpu->Forward(p, t.forward_args()).ok());
-    t.dq.Poison();
-    t.dk.Poison();
-    t.dv.Poison();
-    auto device = DeviceBackward::Upload(t);
+    auto device = DeviceBackward::UploadAfterForward(p, t);
     ASSERT_TRUE(device.ok()) << device.status();
     const absl::Status run = engine.Backward(p, device->args());
     if (unavailable != nullptr && absl::IsUnimplemented(run)) {

@@ -111,6 +111,16 @@ absl::Status DeviceBackward::Download(AttentionTensors& t) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<DeviceBackward> DeviceBackward::UploadAfterForward(const AttentionProblem& p,
+                                                                  AttentionTensors& t) {
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> cpu, CreateEngine(EngineKind::kCpuReference, {}));
+  ATTN_RETURN_IF_ERROR(cpu->Forward(p, t.forward_args()));
+  t.dq.Poison();
+  t.dk.Poison();
+  t.dv.Poison();
+  return Upload(t);
+}
+
 std::unique_ptr<Engine> MustCreate(EngineKind kind, const EngineOptions& options) {
   auto engine = CreateEngine(kind, options);
   EXPECT_TRUE(engine.ok()) << engine.status();

@@ -46,6 +46,11 @@ class DeviceForward {
 class DeviceBackward {
  public:
   static absl::StatusOr<DeviceBackward> Upload(const AttentionTensors& t);
+  // What a backward test starts from: O and the LSE of the CPU reference forward on t's inputs
+  // (as a forward pass in the problem's dtype leaves them), dq, dk, dv poisoned (so that an
+  // element never written shows), then all of it uploaded.
+  static absl::StatusOr<DeviceBackward> UploadAfterForward(const AttentionProblem& p,
+                                                           AttentionTensors& t);
   BackwardArgs args(void* stream = nullptr);
   // Waits for the device, then copies dq, dk, dv back into t.
   absl::Status Download(AttentionTensors& t) const;
