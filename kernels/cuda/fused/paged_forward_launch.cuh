@@ -26,12 +26,6 @@
 
 namespace attn::cuda {
 
-constexpr int Log2(int power_of_two) {
-  int shift = 0;
-  while ((1 << shift) < power_of_two) ++shift;
-  return shift;
-}
-
 // One CTA per (query block, head, sequence), as the dense forward (QueryBlock).
 template <typename Traits, typename Kernel>
 cudaError_t LaunchPagedPrefill(Kernel one_page, Kernel many_pages, const PagedForwardParams& p,

@@ -10,6 +10,13 @@
 
 namespace attn::cuda {
 
+// The shift of a power of two (a page's tokens, a tile's keys): page_shift's unit.
+__host__ __device__ constexpr int Log2(int power_of_two) {
+  int shift = 0;
+  while ((1 << shift) < power_of_two) ++shift;
+  return shift;
+}
+
 template <typename Element>
 struct PageWalk {
   const Element* pages;  // the pool, advanced to this KV head's columns

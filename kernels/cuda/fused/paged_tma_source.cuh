@@ -33,6 +33,7 @@
 
 #include "cuda/fused/fused_forward_sm90_tma_kernel.cuh"
 #include "cuda/fused/paged_forward.h"
+#include "cuda/fused/paged_kv.cuh"
 #include "cuda/fused/ptx.cuh"
 #include "cuda/fused/query_block.cuh"
 #include "cuda/fused/tma.cuh"
@@ -55,10 +56,6 @@ struct PagedForwardTmaParams {
 
 namespace sm90_tma {
 
-__host__ __device__ constexpr int Log2OfPowerOfTwo(int n) {
-  return n <= 1 ? 0 : 1 + Log2OfPowerOfTwo(n / 2);
-}
-
 template <typename Traits>
 struct PagedKvTiles {
   using Params = PagedForwardTmaParams;
@@ -67,7 +64,7 @@ struct PagedKvTiles {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kBoxBytes = 128;  // one row of a 64-column block
   static constexpr int kChunksPerRow = Traits::kTileColumns / 8;
-  static constexpr int kBlockShift = Log2OfPowerOfTwo(kBlockN);
+  static constexpr int kBlockShift = Log2(kBlockN);
   static_assert(1 << kBlockShift == kBlockN, "a tile is one page's piece or whole pages");
   static_assert(kBlockN / kPagedTmaMinPageTokens <= 32, "a lane looks up each piece's page");
 
