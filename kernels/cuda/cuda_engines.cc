@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -100,10 +99,11 @@ class CudaFusedEngine final : public Engine {
  public:
   CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel,
                   const cuda::PagedOverrides& paged, const cuda::PagedDevice& device,
-                  int forward_block_n)
+                  int forward_block_n, int forward_ctas)
       : options_(options),
         kernel_(kernel),
         forward_block_n_(forward_block_n),
+        forward_ctas_(forward_ctas),
         paged_(paged),
         device_(device) {}
 
@@ -170,21 +170,23 @@ class CudaFusedEngine final : public Engine {
     ATTN_RETURN_IF_ERROR(device.status());
     const cudaStream_t stream = AsStream(args.stream);
 
-    const auto launch = [&](const int32_t* cu_seqlens) {
-      FusedForwardParams params;
-      SetAttentionParams(p, args.q, args.k, args.v, args.o.data, args.o, args.lse, cu_seqlens,
-                         params);
-      params.kernel = kernel_;
-      params.block_n = forward_block_n_;
-      return cuda::LaunchFusedForward(params, stream);
-    };
-    if (p.is_uniform()) return launch(nullptr);
-    // Variable lengths: the prefix sums travel to the device through the workspace.
-    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease,
-                          pool_.Acquire(SeqlensEntries(p) * sizeof(int32_t), stream));
-    auto* cu_seqlens = static_cast<int32_t*>(lease.data());
-    ATTN_RETURN_IF_ERROR(UploadSeqlens(p, cu_seqlens, stream));
-    return launch(cu_seqlens);
+    // The lease orders the users of the workspace (variable lengths: the prefix sums travel to
+    // the device through it) and of the TMA kernel's queue counters across streams.
+    const size_t seqlens_bytes = p.is_uniform() ? 0 : SeqlensEntries(p) * sizeof(int32_t);
+    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease, pool_.Acquire(seqlens_bytes, stream));
+    int32_t* cu_seqlens = nullptr;
+    if (!p.is_uniform()) {
+      cu_seqlens = static_cast<int32_t*>(lease.data());
+      ATTN_RETURN_IF_ERROR(UploadSeqlens(p, cu_seqlens, stream));
+    }
+    FusedForwardParams params;
+    SetAttentionParams(p, args.q, args.k, args.v, args.o.data, args.o, args.lse, cu_seqlens,
+                       params);
+    params.kernel = kernel_;
+    params.block_n = forward_block_n_;
+    params.persistent_ctas = forward_ctas_;
+    ATTN_ASSIGN_OR_RETURN(params.tile_counters, ZeroedCounters(kTileCounters));
+    return cuda::LaunchFusedForward(params, stream);
   }
 
   absl::Status ForwardPaged(const AttentionProblem& p, const PagedForwardArgs& args) override {
@@ -196,17 +198,12 @@ class CudaFusedEngine final : public Engine {
     const cudaStream_t stream = AsStream(args.stream);
 
     const cuda::PagedForwardPlan plan = cuda::PlanPagedForward(p, device_, paged_);
-    // One lease: the split partials (float32, 16-byte aligned), then the prefix sums.
+    // One lease, which also orders the users of the counters across streams: the split
+    // partials (float32, 16-byte aligned), then the prefix sums.
     const size_t partials = static_cast<size_t>(plan.workspace_bytes);
     const size_t bytes = partials + SeqlensEntries(p) * sizeof(int32_t);
-    std::optional<cuda::WorkspaceLease> lease;  // none for a uniform batch in one split
-    char* workspace = nullptr;
-    if (bytes > 0) {
-      absl::StatusOr<cuda::WorkspaceLease> acquired = pool_.Acquire(bytes, stream);
-      if (!acquired.ok()) return acquired.status();
-      lease.emplace(*std::move(acquired));
-      workspace = static_cast<char*>(lease->data());
-    }
+    ATTN_ASSIGN_OR_RETURN(cuda::WorkspaceLease lease, pool_.Acquire(bytes, stream));
+    char* workspace = static_cast<char*>(lease.data());
     int32_t* cu_seqlens = nullptr;
     if (!p.is_uniform()) {
       cu_seqlens = reinterpret_cast<int32_t*>(workspace + partials);
@@ -225,39 +222,46 @@ class CudaFusedEngine final : public Engine {
     params.v_offset = kv.v_offset(p);
     params.plan = plan;
     params.kernel = kernel_;
+    params.persistent_ctas = forward_ctas_;
     if (plan.num_splits > 1) {
       params.o_partial = reinterpret_cast<float*>(workspace);
       params.lse_partial =
           params.o_partial + int64_t{plan.num_splits} * p.total_q() * p.num_heads * p.head_dim;
-      ATTN_ASSIGN_OR_RETURN(params.split_counters, SplitCounters(plan.split_counters));
+      ATTN_ASSIGN_OR_RETURN(params.split_counters, ZeroedCounters(plan.split_counters));
     }
+    ATTN_ASSIGN_OR_RETURN(params.tile_counters, ZeroedCounters(kTileCounters));
     return cuda::LaunchPagedForward(params, stream);
   }
 
  private:
-  // `count` zeroed split counters for the decode kernel, which leaves them zero. Used only while
-  // a workspace lease is held, so the lease orders their users across streams; growing waits
-  // for the device, since work in flight may still count in the old ones.
-  absl::StatusOr<int*> SplitCounters(int64_t count) {
+  // The TMA forward's queue (FusedForwardParams::tile_counters).
+  static constexpr int64_t kTileCounters = 2;
+
+  // `count` zeroed counters, which the kernels given them leave zero: the decode kernel's split
+  // counters, the TMA forward's queue (one call is one kernel, so they share the first ones).
+  // Used only while a workspace lease is held, so the lease orders their users across streams;
+  // growing waits for the device, since work in flight may still count in the old ones.
+  absl::StatusOr<int*> ZeroedCounters(int64_t count) {
     if (count > counters_capacity_) {
       ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-      split_counters_.Reset();
+      zeroed_counters_.Reset();
       const int64_t capacity = std::max<int64_t>(count, 4096);
-      ATTN_ASSIGN_OR_RETURN(split_counters_, cuda::DeviceBuffer::Allocate(capacity * sizeof(int)));
-      ATTN_CUDA_RETURN_IF_ERROR(cudaMemset(split_counters_.get(), 0, capacity * sizeof(int)));
+      ATTN_ASSIGN_OR_RETURN(zeroed_counters_, cuda::DeviceBuffer::Allocate(capacity * sizeof(int)));
+      ATTN_CUDA_RETURN_IF_ERROR(cudaMemset(zeroed_counters_.get(), 0, capacity * sizeof(int)));
       ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the memset is asynchronous
       counters_capacity_ = capacity;
     }
-    return split_counters_.as<int>();
+    return zeroed_counters_.as<int>();
   }
 
   EngineOptions options_;
   cuda::FusedKernel kernel_;
   int forward_block_n_;
+  int forward_ctas_;
   cuda::PagedOverrides paged_;
   cuda::PagedDevice device_;
   cuda::WorkspacePool pool_;
-  cuda::DeviceBuffer split_counters_;
+  cuda::DeviceBuffer zeroed_counters_;
   int64_t counters_capacity_ = 0;
 };
 
@@ -266,11 +270,11 @@ class CudaFusedEngine final : public Engine {
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options,
                                                             cuda::FusedKernel kernel,
                                                             const cuda::PagedOverrides& paged,
-                                                            int forward_block_n) {
+                                                            int forward_block_n, int forward_ctas) {
   ATTN_RETURN_IF_ERROR(cuda::CheckDevice("cuda_fused", options.device));
   ATTN_ASSIGN_OR_RETURN(const cuda::PagedDevice device, QueryPagedDevice(options.device));
-  return std::unique_ptr<Engine>(
-      std::make_unique<CudaFusedEngine>(options, kernel, paged, device, forward_block_n));
+  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options, kernel, paged, device,
+                                                                   forward_block_n, forward_ctas));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options) {

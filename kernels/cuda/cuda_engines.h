@@ -16,10 +16,11 @@ namespace attn {
 // Hopper too; kSm90Lockstep or kSm90Tma); `paged` forces the paged forward's kernel or split
 // count instead of its heuristics (tests, and benchmarks that measure the heuristics);
 // `forward_block_n` runs the TMA kernel at one of its compiled tile widths
-// (FusedForwardParams::block_n).
+// (FusedForwardParams::block_n), `forward_ctas` on that many persistent CTAs
+// (FusedForwardParams::persistent_ctas; the paged prefill's TMA kernel too).
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(
     const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto,
-    const cuda::PagedOverrides& paged = {}, int forward_block_n = 0);
+    const cuda::PagedOverrides& paged = {}, int forward_block_n = 0, int forward_ctas = 0);
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options);
 
 // EngineAvailable and EngineSupports for kCudaFused and kCudaNaive.

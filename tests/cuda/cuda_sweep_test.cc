@@ -282,7 +282,7 @@ INSTANTIATE_TEST_SUITE_P(Sweep, CudaSweepTest, ::testing::ValuesIn(StandardSweep
 // table has no such kernel (the lockstep one at head_dim 96 and 256).
 class CudaHopperKernelTest : public CudaSweepTest {
  protected:
-  void RunPinned(cuda::FusedKernel kernel, int block_n) {
+  void RunPinned(cuda::FusedKernel kernel, int block_n, int persistent_ctas = 0) {
     const SweepCase& c = GetParam();
     const AttentionProblem& p = c.problem;
     const uint8_t arch =
@@ -290,7 +290,7 @@ class CudaHopperKernelTest : public CudaSweepTest {
     if (!cuda::HasFusedKernel(Pass::kForward, p.dtype, p.head_dim, arch)) {
       GTEST_SKIP() << "no such Hopper kernel for this dtype and head_dim";
     }
-    auto fused = MakeCudaFusedEngine(EngineOptions{}, kernel, {}, block_n);
+    auto fused = MakeCudaFusedEngine(EngineOptions{}, kernel, {}, block_n, persistent_ctas);
     ASSERT_TRUE(fused.ok()) << fused.status();
     AttentionTensors t = AttentionTensors::Make(p, seed_, /*padded=*/false);
     absl::Status unavailable;
@@ -314,6 +314,23 @@ TEST_P(CudaHopperKernelTest, TmaMaskedTileShapeMatchesReference) {
   SCOPED_TRACE(trace_);
   RunPinned(cuda::FusedKernel::kSm90Tma,
             cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true).block_n);
+}
+
+// The warp-specialised kernel's persistent grid pinned to 1 and 3 CTAs, so that every CTA walks
+// many query blocks (of several heads and sequences, paired under a causal mask): its rings,
+// Q's buffer and the consumers' turns carry on from block to block.
+TEST_P(CudaHopperKernelTest, TmaFullTileShapeOnOneCtaMatchesReference) {
+  SCOPED_TRACE(trace_);
+  RunPinned(cuda::FusedKernel::kSm90Tma,
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/false).block_n,
+            /*persistent_ctas=*/1);
+}
+
+TEST_P(CudaHopperKernelTest, TmaMaskedTileShapeOnThreeCtasMatchesReference) {
+  SCOPED_TRACE(trace_);
+  RunPinned(cuda::FusedKernel::kSm90Tma,
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true).block_n,
+            /*persistent_ctas=*/3);
 }
 
 std::vector<SweepCase> HopperSweep() {

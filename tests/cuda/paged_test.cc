@@ -119,6 +119,7 @@ struct PagedCase {
   // The prefill kernel pinned (kPortable: the mma.sync one on Hopper too; kSm90Lockstep,
   // kSm90Tma: the Hopper ones, whose cases skip off Hopper), or the launch's choice.
   cuda::FusedKernel prefill = cuda::FusedKernel::kAuto;
+  int persistent_ctas = 0;       // the TMA prefill's CTAs, or one an SM
   bool unused_to_spare = false;  // DevicePages::Make
 };
 
@@ -194,6 +195,17 @@ void AddTmaPrefillCases(std::vector<PagedCase>& cases) {
     }
   }
   add("long_p32_d256", Varlen(DType::kF16, {200}, {3001}, 4, 4, 256, true), 32);
+  // Three persistent CTAs, each walking many query blocks of different sequences and heads:
+  // the rings, Q's buffer and the consumers' turns carried from block to block.
+  for (int page : {16, 128}) {
+    for (int d : {64, 128}) {
+      add(absl::StrCat("ctas3_ragged_p", page, "_d", d),
+          Varlen(DType::kBF16, {160, 1, 33, 129, 0, 7, 200}, {1013, 177, 33, 256, 40, 0, 129}, 8, 2,
+                 d, page == 16),
+          page)
+          ->persistent_ctas = 3;
+    }
+  }
   AttentionProblem window = Varlen(DType::kBF16, {300, 40}, {1013, 1013}, 8, 2, 128, true);
   window.window_left = 100;
   add("window100_p16", window, 16);
@@ -419,7 +431,8 @@ std::unique_ptr<Engine> PagedEngine(const PagedCase& c) {
   cuda::PagedOverrides overrides;
   overrides.kernel = c.kernel;
   overrides.decode_splits = c.splits;
-  auto engine = MakeCudaFusedEngine(EngineOptions{}, c.prefill, overrides);
+  auto engine = MakeCudaFusedEngine(EngineOptions{}, c.prefill, overrides, /*forward_block_n=*/0,
+                                    c.persistent_ctas);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }

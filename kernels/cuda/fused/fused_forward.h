@@ -52,6 +52,13 @@ struct FusedForwardParams {
   // kSm90Tma: keys per K/V tile, 0 for the heuristic's; otherwise one of the two shapes
   // compiled for the head_dim (heuristics.h, Sm90TmaFusedTileShape), for benchmarks.
   int block_n = 0;
+  // kSm90Tma: CTAs of its persistent grid, 0 for one an SM; tests pin a few, so that small
+  // problems walk several query blocks a CTA.
+  int persistent_ctas = 0;
+  // kSm90Tma: two device ints, zero, from which its CTAs draw query blocks and which it leaves
+  // zero (query_schedule.cuh); one launch at a time may use them. Null: the kernel does not run
+  // (kAuto takes the next one).
+  int* tile_counters = nullptr;
 };
 
 // Which problems it covers: FusedSupports(Pass::kForward, p) in fused_support.h.

@@ -29,9 +29,10 @@ cudaError_t LaunchQueryBlocks(void (*kernel)(FusedForwardParams), const FusedFor
   return LaunchWithSharedMemory(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
-// The warp-specialised kernel with Traits' shape: the tensor maps of Q, K and V, then the same
-// grid as the other kernels. cudaErrorNotSupported when it cannot run here (no sm_90a code for
-// this device, no tensor-map encoder, tensors the copy engine cannot address).
+// The warp-specialised kernel with Traits' shape: the tensor maps of Q, K and V, then its
+// persistent grid (query_schedule.cuh). cudaErrorNotSupported when it cannot run here (no
+// sm_90a code for this device, no tensor-map encoder, tensors the copy engine cannot address,
+// no queue counters given, 2^31 query blocks or more).
 template <typename Traits>
 cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t stream) {
   constexpr auto kKernel = &FusedForwardSm90TmaKernel<Traits>;
@@ -43,13 +44,20 @@ cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t 
       (p.total_q >= (int64_t{1} << 31) || p.total_k >= (int64_t{1} << 31) || p.total_k <= 0)) {
     return cudaErrorNotSupported;
   }
+  // Its CTAs draw query blocks from a queue (query_schedule.cuh) in 32-bit places.
+  if (p.tile_counters == nullptr || QueryBlocksOf<Traits::kBlockM>(p) >= (int64_t{1} << 31)) {
+    return cudaErrorNotSupported;
+  }
   FusedForwardTmaParams params;
   params.p = p;
-  const cudaError_t err = EncodeQkvTensorMaps(p, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN,
-                                              &params.q_map, &params.k_map, &params.v_map);
+  cudaError_t err = EncodeQkvTensorMaps(p, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN,
+                                        &params.q_map, &params.k_map, &params.v_map);
+  unsigned ctas = 0;
+  if (err == cudaSuccess) {
+    err = PersistentCtas(QueryBlocksOf<Traits::kBlockM>(p), p.persistent_ctas, &ctas);
+  }
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.num_heads, p.batch);
-  return LaunchWithSharedMemory(kKernel, grid, Traits::kThreads, Traits::kSmemBytes, stream,
+  return LaunchWithSharedMemory(kKernel, dim3(ctas), Traits::kThreads, Traits::kSmemBytes, stream,
                                 params);
 }
 

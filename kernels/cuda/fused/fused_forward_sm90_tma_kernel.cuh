@@ -2,15 +2,18 @@
 // fused_forward_kernel.cuh with its loads on the copy engine and its two matrix products on
 // warpgroup MMA, arranged so that the softmax runs while the tensor cores work.
 //
-// A CTA owns kBlockM = 128 query rows of one (sequence, head) and runs three warpgroups:
-//   - a producer (warpgroup 0, 24 registers a thread after setmaxnreg), one thread of which
-//     issues TMA copies: Q once, then K and V tiles into kStages-deep rings of 128-byte-
+// The grid is persistent (query_schedule.cuh): a CTA walks query blocks of kBlockM = 128 rows
+// of one (sequence, head) one after another, and runs three warpgroups:
+//   - a producer (warpgroup 0, 40 registers a thread after setmaxnreg, 24 at head_dim 256), one
+//     thread of which draws the CTA's blocks from the queue, posts them to the consumers and
+//     issues TMA copies: per block Q, and K and V tiles into kStages-deep rings of 128-byte-
 //     swizzled shared-memory stages, each stage a `full` mbarrier (bytes landed) and an `empty`
-//     one (both consumers done with it);
-//   - two consumer warpgroups (240 registers) of 64 query rows each, which take turns on the
-//     tensor cores (named barriers: a warpgroup issues its MMAs, then hands the turn over and
-//     runs its softmax while the other's MMAs execute) and within a turn issue the next tile's
-//     S = Q K^T before this tile's acc += P V, so that each warpgroup's softmax of tile j
+//     one (both consumers done with it); Q has the same pair, so the next block's Q lands
+//     while the consumers finish this one, and the rings run on from block to block;
+//   - two consumer warpgroups (232 registers, 240 at 256) of 64 query rows each, which take
+//     turns on the tensor cores (named barriers: a warpgroup issues its MMAs, then hands the turn
+//     over and runs its softmax while the other's MMAs execute) and within a turn issue the next
+//     tile's S = Q K^T before this tile's acc += P V, so that each warpgroup's softmax of tile j
 //     overlaps its own P V of tile j - 1 as well:
 //
 //       turn 0:     S_0 = Q K_0^T
@@ -21,8 +24,8 @@
 //       turn T:     acc += P_{T-1} V_{T-1}
 //
 // P stays in registers as the A operand of P V. Tiles run from the last visible key tile to
-// the first (BlockMask), as in the other kernels. O = acc / l is staged through the
-// warpgroup's own rows of the Q tile; LSE = m * scale + log(l).
+// the first (BlockMask), as in the other kernels. O = acc / l goes from registers to device
+// memory; LSE = m * scale + log(l).
 //
 // The producer is the only code that knows where K and V rows live. It asks a K/V source (the
 // kernel's second template parameter) to fill a stage with the keys of a tile: DenseKvTiles
@@ -42,6 +45,7 @@
 #include "cuda/fused/online_softmax.cuh"
 #include "cuda/fused/ptx.cuh"
 #include "cuda/fused/query_block.cuh"
+#include "cuda/fused/query_schedule.cuh"
 #include "cuda/fused/tma.cuh"
 #include "cuda/fused/wgmma.cuh"
 
@@ -57,6 +61,9 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kBlockM = 64 * kConsumerWarpGroups;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // the producer warpgroup first
+  // Registers a thread of each role keeps after setmaxnreg (heuristics.h).
+  static constexpr int kProducerRegisters = Sm90TmaProducerRegisters(kHeadDim);
+  static constexpr int kConsumerRegisters = Sm90TmaConsumerRegisters(kHeadDim);
   // Tiles hold whole 128-byte column blocks of 64 elements. At head_dim 96 the second block is
   // half used: the copy engine zero-fills columns 96..127 (past the tensor map's head_dim), Q K^T
   // stops at column 96, and P V runs 128 wide, its last 32 accumulator columns never stored.
@@ -66,13 +73,14 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kDTiles = kTileColumns / 8;         // 8-column tiles of acc
   static constexpr int kQTileBytes = kBlockM * kTileColumns * 2;
   static constexpr int kKVTileBytes = kBlockN * kTileColumns * 2;
-  // Q (also the O epilogue's staging), the K stages, the V stages, each tile and column block
-  // 1024-byte aligned as the 128-byte swizzle requires; then the mbarriers: Q's, and per stage
-  // K full, K empty, V full, V empty.
+  // Q, the K stages, the V stages, each tile and column block 1024-byte aligned as the 128-byte
+  // swizzle requires; then the mbarriers: Q full, per stage K full, K empty, V full, V empty,
+  // Q empty, and the two block slots' full and empty; then the two slots.
   static constexpr int kKOffset = kQTileBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 4 * kStages);
+  static constexpr int kSlotOffset = kBarrierOffset + 8 * (6 + 4 * kStages);
+  static constexpr int kSmemBytes = kSlotOffset + 2 * 4;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "P V is m64n64, n128 (head_dim 96 and 128) or n256");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 ||
@@ -95,10 +103,8 @@ struct FusedForwardTmaParams {
 
 namespace sm90_tma {
 
-// Named barrier ids (0 is __syncthreads): the tensor-core turn of each consumer warpgroup, and
-// each one's epilogue.
+// Named barrier ids (0 is __syncthreads): the tensor-core turn of each consumer warpgroup.
 inline constexpr uint32_t kTurnBarrier = 1;
-inline constexpr uint32_t kEpilogueBarrier = 3;
 
 // The mbarriers of the shared-memory tail (Traits::kBarrierOffset).
 template <typename Traits>
@@ -115,7 +121,45 @@ struct Barriers {
   __device__ __forceinline__ uint32_t v_empty(int stage) const {
     return base + 8 * (1 + 3 * Traits::kStages + stage);
   }
+  __device__ __forceinline__ uint32_t q_empty() const {
+    return base + 8 * (1 + 4 * Traits::kStages);
+  }
+  __device__ __forceinline__ uint32_t slot_full(int slot) const {
+    return base + 8 * (2 + 4 * Traits::kStages + slot);
+  }
+  __device__ __forceinline__ uint32_t slot_empty(int slot) const {
+    return base + 8 * (4 + 4 * Traits::kStages + slot);
+  }
 };
+
+// The producer's thread 0 draws each block's place in the queue (QueryBlockOrder) and posts it
+// to the consumers through two shared-memory slots, taken in turn, each with a `full` and an
+// `empty` mbarrier as the K/V stages; the last post is a place past the end. With two slots the
+// producer runs up to a block ahead of the consumers.
+__device__ __forceinline__ int SlotOf(int step) { return step % 2; }
+__device__ __forceinline__ uint32_t SlotParityOf(int step) {
+  return static_cast<uint32_t>((step / 2) & 1);
+}
+
+template <typename Traits>
+__device__ __forceinline__ void PostQueryBlock(const Barriers<Traits>& bars, int* slots, int step,
+                                               int place) {
+  if (step >= 2) tma::Wait(bars.slot_empty(SlotOf(step)), SlotParityOf(step) ^ 1);
+  slots[SlotOf(step)] = place;
+  tma::Arrive(bars.slot_full(SlotOf(step)));
+}
+
+// The place of the CTA's step-th block, for the consumers: one lane of each warp releases the
+// slot once the warp has read it.
+template <typename Traits>
+__device__ __forceinline__ int ReadQueryBlockSlot(const Barriers<Traits>& bars, const int* slots,
+                                                  int step) {
+  tma::Wait(bars.slot_full(SlotOf(step)), SlotParityOf(step));
+  const int place = slots[SlotOf(step)];
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) tma::Arrive(bars.slot_empty(SlotOf(step)));
+  return place;
+}
 
 // The stage and phase parity of the it-th tile of a kStages-deep ring.
 template <int kStages>
@@ -204,7 +248,7 @@ __device__ __forceinline__ QueryTileAt QueryTileOf(const FusedForwardParams& p,
                                                    const QueryBlock<kBlockM>& block) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   return {varlen ? static_cast<int>(block.seq.q_start) + block.row0 : block.row0, block.head,
-          varlen ? 0 : static_cast<int>(blockIdx.z)};
+          varlen ? 0 : block.batch};
 }
 
 // The dense K/V source: the K and V tensor maps in the same coordinates as Q's, a tile being
@@ -248,43 +292,74 @@ struct DenseKvTiles {
   }
 };
 
-// The producer: Q, then K and V tiles in the order the consumers finish with them (K_0, K_1,
-// V_0, K_2, V_1, ...), each into the next stage of its ring once both consumers have released
-// that stage. Every producer thread of the source runs it; thread 0 issues Q's copies.
+// The producer: for each query block it draws and posts, its K and V tiles in the order the
+// consumers finish with them (K_0, K_1, V_0, K_2, V_1, ...), each into the next stage of its
+// ring once both consumers have released that stage, and Q after K_0: Q's buffer is free once
+// both consumers' last Q K^T of the previous block is done, and K_0 can usually go before that.
+// The rings' positions run on across blocks. Every producer thread of the source runs it;
+// thread 0 draws, posts and issues Q's copies.
 template <typename Traits, typename Source>
-__device__ __forceinline__ void ProduceTiles(const Source& source, const Barriers<Traits>& bars,
-                                             uint32_t q_tile, uint32_t k_tiles, uint32_t v_tiles,
-                                             int n_block_last, int num_tiles) {
+__device__ __forceinline__ void ProduceTiles(const typename Source::Params& params,
+                                             const QueryBlockOrder& order,
+                                             const Barriers<Traits>& bars, int* slots,
+                                             uint32_t q_tile, uint32_t k_tiles, uint32_t v_tiles) {
+  constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
-  if (Source::kProducerThreads == 1 || threadIdx.x == 0) {
-    tma::PrefetchTensorMap(&source.params.q_map);
-    tma::PrefetchTensorMap(&source.params.k_map);
-    tma::PrefetchTensorMap(&source.params.v_map);
-    tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    tma::PrefetchTensorMap(&params.q_map);
+    tma::PrefetchTensorMap(&params.k_map);
+    tma::PrefetchTensorMap(&params.v_map);
+  }
+  int ring = 0;     // K (and V) tiles loaded before this block's
+  int q_loads = 0;  // Q tiles loaded before this block's
+  for (int step = 0;; ++step) {
+    int place = 0;
+    if (leader) {
+      place = step == 0 ? static_cast<int>(blockIdx.x) : DrawQueryBlock(params.p.tile_counters);
+      PostQueryBlock(bars, slots, step, place);
+    }
+    if constexpr (Source::kProducerThreads > 1) place = __shfl_sync(0xffffffffu, place, 0);
+    if (place >= order.total) break;
+    const QueryBlockIndex at = order[place];
+    const QueryBlock<kBlockM> block(params.p, at.m_block, at.head, at.batch);
+    const BlockMask<kBlockN> mask(params.p, block.seq, block.row0, block.rows());
+    const int n_block_last = mask.n_block_max - 1;
+    const int num_tiles = block.empty() ? 0 : mask.n_block_max - mask.n_block_min;
+    if (num_tiles > 0) {
+      const Source source(params, block);
+      const auto load_k = [&](int it) {
+        const int stage = StageOf<Traits::kStages>(ring + it);
+        tma::Wait(bars.k_empty(stage), ParityOf<Traits::kStages>(ring + it) ^ 1);
+        source.LoadKeys(k_tiles + stage * Traits::kKVTileBytes, bars.k_full(stage),
+                        (n_block_last - it) * kBlockN);
+      };
+      const auto load_v = [&](int it) {
+        const int stage = StageOf<Traits::kStages>(ring + it);
+        tma::Wait(bars.v_empty(stage), ParityOf<Traits::kStages>(ring + it) ^ 1);
+        source.LoadValues(v_tiles + stage * Traits::kKVTileBytes, bars.v_full(stage),
+                          (n_block_last - it) * kBlockN);
+      };
+      load_k(0);
+      if (q_loads > 0) tma::Wait(bars.q_empty(), (q_loads - 1) & 1);
+      if (leader) {
+        tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
 #pragma unroll
-    for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-      tma::Load4d(q_tile + cb * Traits::kBlockM * 128, &source.params.q_map, bars.q_full(), cb * 64,
-                  source.q.row, source.q.head, source.q.sequence);
+        for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
+          tma::Load4d(q_tile + cb * kBlockM * 128, &params.q_map, bars.q_full(), cb * 64,
+                      source.q.row, source.q.head, source.q.sequence);
+        }
+      }
+      for (int it = 1; it < num_tiles; ++it) {
+        load_k(it);
+        load_v(it - 1);
+      }
+      load_v(num_tiles - 1);
+      ring += num_tiles;
+      ++q_loads;
     }
   }
-  const auto load_k = [&](int it) {
-    const int stage = StageOf<Traits::kStages>(it);
-    tma::Wait(bars.k_empty(stage), ParityOf<Traits::kStages>(it) ^ 1);
-    source.LoadKeys(k_tiles + stage * Traits::kKVTileBytes, bars.k_full(stage),
-                    (n_block_last - it) * kBlockN);
-  };
-  const auto load_v = [&](int it) {
-    const int stage = StageOf<Traits::kStages>(it);
-    tma::Wait(bars.v_empty(stage), ParityOf<Traits::kStages>(it) ^ 1);
-    source.LoadValues(v_tiles + stage * Traits::kKVTileBytes, bars.v_full(stage),
-                      (n_block_last - it) * kBlockN);
-  };
-  load_k(0);
-  for (int it = 1; it < num_tiles; ++it) {
-    load_k(it);
-    load_v(it - 1);
-  }
-  load_v(num_tiles - 1);
+  if (leader) LeaveQueryQueue(params.p.tile_counters);
 }
 
 }  // namespace sm90_tma
@@ -303,15 +378,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
   const FusedForwardParams& p = params.p;
-
-  const QueryBlock<kBlockM> block(p);
-  if (block.empty()) return;
-  const SequenceView<int>& seq = block.seq;
-  const int row0 = block.row0;
-  const int rows_in_block = block.rows();
-  const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
-  const int n_block_last = mask.n_block_max - 1;
-  const int num_tiles = mask.n_block_max - mask.n_block_min;
+  const QueryBlockOrder order = QueryBlockOrder::Of<kBlockM>(p);
 
   // Named as in the other Hopper kernels: one name for the 1024-byte-aligned dynamic tile
   // in a translation unit, where the portable kernel declares its own, 128-byte-aligned.
@@ -320,14 +387,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t k_tiles = q_tile + Traits::kKOffset;
   const uint32_t v_tiles = q_tile + Traits::kVOffset;
   const Barriers<Traits> bars{q_tile + Traits::kBarrierOffset};
+  int* const slots = reinterpret_cast<int*>(swizzled_smem + Traits::kSlotOffset);
 
   if (threadIdx.x == 0) {
     tma::InitBarrier(bars.q_full(), 1);
+    // One arrival per consumer warp, as the stages' empty barriers.
+    tma::InitBarrier(bars.q_empty(), kConsumerThreads / 32);
+#pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+      tma::InitBarrier(bars.slot_full(slot), 1);
+      tma::InitBarrier(bars.slot_empty(slot), kConsumerThreads / 32);
+    }
 #pragma unroll
     for (int stage = 0; stage < kStages; ++stage) {
       tma::InitBarrier(bars.k_full(stage), 1);
       tma::InitBarrier(bars.v_full(stage), 1);
-      // One arrival per consumer warp.
       tma::InitBarrier(bars.k_empty(stage), kConsumerThreads / 32);
       tma::InitBarrier(bars.v_empty(stage), kConsumerThreads / 32);
     }
@@ -337,14 +411,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
-    tma::ReleaseRegisters<kSm90TmaProducerRegisters>();
-    if (threadIdx.x < Source::kProducerThreads && num_tiles > 0) {
-      const Source source(params, block);
-      ProduceTiles<Traits>(source, bars, q_tile, k_tiles, v_tiles, n_block_last, num_tiles);
+    tma::ReleaseRegisters<Traits::kProducerRegisters>();
+    if (threadIdx.x < Source::kProducerThreads) {
+      ProduceTiles<Traits, Source>(params, order, bars, slots, q_tile, k_tiles, v_tiles);
     }
     return;
   }
-  tma::ClaimRegisters<kSm90TmaConsumerRegisters>();
+  tma::ClaimRegisters<Traits::kConsumerRegisters>();
 
   const int consumer = warp_group - 1;
   const int warp = (threadIdx.x % 128) / 32;  // within the warpgroup: owns 16 of its 64 rows
@@ -352,126 +425,138 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int quad_row = lane / 4;
   const int quad_col = lane % 4;
   const int local_row = consumer * 64 + warp * 16 + quad_row;  // + 8 for the second row
-  const int thread_row_pos = row0 + local_row + mask.shift;
   const uint32_t q_rows = q_tile + consumer * 64 * 128;
-  // A stage is released by one lane of each warp once the warpgroup's MMAs reading it are done.
+  // A stage (or Q) is released by one lane of each warp once the warpgroup's MMAs reading it
+  // are done.
   const auto release = [&](uint32_t empty) {
     if (lane == 0) tma::Arrive(empty);
   };
   const uint32_t my_turn = kTurnBarrier + consumer;
   const uint32_t next_turn = kTurnBarrier + (consumer + 1) % Traits::kConsumerWarpGroups;
-
-  float acc[1][kDTiles][4];
-#pragma unroll
-  for (int dj = 0; dj < kDTiles; ++dj)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[0][dj][e] = 0.f;
-  auto& acc_flat = reinterpret_cast<float(&)[Traits::kTileColumns / 2]>(acc[0]);
-  float s[1][kNTiles][4];
-  auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
-  uint32_t p_frag[kBlockN / 16][4];
-  float alpha[2];
-  OnlineSoftmax<1, kNTiles, kDTiles> softmax;
-  softmax.Init();
   const float scale_log2 = p.scale * static_cast<float>(M_LOG2E);
 
-  // S of tile `it` (landed in s) to P, with the mask where the tile needs one.
-  const auto scores_to_probabilities = [&](int it) {
-    const int key0 = (n_block_last - it) * kBlockN;
-    if (mask.TileNeedsMask(key0))
-      mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
-    softmax.UpdateStatistics(s, scale_log2, alpha);
-  };
+  // The turns alternate between the consumers over the whole walk (both run every block, with
+  // the same number of turns). Consumer 0 takes the first; every turn hands on to the other,
+  // and consumer 0 takes the last hand-over after the walk, so that every barrier's arrivals
+  // match its waits.
+  if (consumer == 0) tma::NamedBarrierArrive(my_turn, kConsumerThreads);
 
-  if (num_tiles > 0) {
-    // Consumer 0 takes the first turn; the last consumer never hands its final turn on, so
-    // that every barrier's arrivals match its waits.
-    if (consumer == 0) tma::NamedBarrierArrive(my_turn, kConsumerThreads);
-    tma::Wait(bars.q_full(), 0);
+  int ring = 0;     // K/V tiles of the blocks before this one: the rings' position
+  int q_loads = 0;  // Q tiles of the blocks before this one
+  for (int step = 0;; ++step) {
+    const int place = ReadQueryBlockSlot(bars, slots, step);
+    if (place >= order.total) break;
+    const QueryBlockIndex at = order[place];
+    const QueryBlock<kBlockM> block(p, at.m_block, at.head, at.batch);
+    if (block.empty()) continue;
+    const SequenceView<int>& seq = block.seq;
+    const int row0 = block.row0;
+    const int rows_in_block = block.rows();
+    const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
+    const int n_block_last = mask.n_block_max - 1;
+    const int num_tiles = mask.n_block_max - mask.n_block_min;
+    const int thread_row_pos = row0 + local_row + mask.shift;
 
-    tma::Wait(bars.k_full(0), 0);
-    tma::NamedBarrierSync(my_turn, kConsumerThreads);
-    wgmma::Fence();
-    IssueScores<Traits>(s_flat, q_rows, k_tiles);
-    wgmma::CommitGroup();
-    tma::NamedBarrierArrive(next_turn, kConsumerThreads);
-    wgmma::WaitGroup<0>();
-    wgmma::FenceOperands(s_flat);
-    release(bars.k_empty(0));
-    scores_to_probabilities(0);  // acc is still 0: no rescale
-    PackProbabilities<Traits>(s[0], p_frag);
+    float acc[1][kDTiles][4];
+#pragma unroll
+    for (int dj = 0; dj < kDTiles; ++dj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][dj][e] = 0.f;
+    auto& acc_flat = reinterpret_cast<float(&)[Traits::kTileColumns / 2]>(acc[0]);
+    float s[1][kNTiles][4];
+    auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
+    uint32_t p_frag[kBlockN / 16][4];
+    float alpha[2];
+    OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+    softmax.Init();
 
-    for (int it = 1; it < num_tiles; ++it) {
-      const int stage = StageOf<kStages>(it);
-      const int previous = StageOf<kStages>(it - 1);
-      tma::Wait(bars.k_full(stage), ParityOf<kStages>(it));
-      tma::Wait(bars.v_full(previous), ParityOf<kStages>(it - 1));
+    // S of tile `it` (landed in s) to P, with the mask where the tile needs one.
+    const auto scores_to_probabilities = [&](int it) {
+      const int key0 = (n_block_last - it) * kBlockN;
+      if (mask.TileNeedsMask(key0))
+        mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
+      softmax.UpdateStatistics(s, scale_log2, alpha);
+    };
+
+    if (num_tiles > 0) {
+      tma::Wait(bars.q_full(), q_loads & 1);
+
+      tma::Wait(bars.k_full(StageOf<kStages>(ring)), ParityOf<kStages>(ring));
       tma::NamedBarrierSync(my_turn, kConsumerThreads);
       wgmma::Fence();
-      IssueScores<Traits>(s_flat, q_rows, k_tiles + stage * Traits::kKVTileBytes);
-      wgmma::CommitGroup();
-      IssueValues<Traits>(acc_flat, p_frag, v_tiles + previous * Traits::kKVTileBytes);
+      IssueScores<Traits>(s_flat, q_rows, k_tiles + StageOf<kStages>(ring) * Traits::kKVTileBytes);
       wgmma::CommitGroup();
       tma::NamedBarrierArrive(next_turn, kConsumerThreads);
-      wgmma::WaitGroup<1>();  // S of this tile; P V of the last still running
+      wgmma::WaitGroup<0>();
       wgmma::FenceOperands(s_flat);
-      release(bars.k_empty(stage));
-      scores_to_probabilities(it);
+      release(bars.k_empty(StageOf<kStages>(ring)));
+      if (num_tiles == 1) release(bars.q_empty());
+      scores_to_probabilities(0);  // acc is still 0: no rescale
+      PackProbabilities<Traits>(s[0], p_frag);
+
+      for (int it = 1; it < num_tiles; ++it) {
+        const int stage = StageOf<kStages>(ring + it);
+        const int previous = StageOf<kStages>(ring + it - 1);
+        tma::Wait(bars.k_full(stage), ParityOf<kStages>(ring + it));
+        tma::Wait(bars.v_full(previous), ParityOf<kStages>(ring + it - 1));
+        tma::NamedBarrierSync(my_turn, kConsumerThreads);
+        wgmma::Fence();
+        IssueScores<Traits>(s_flat, q_rows, k_tiles + stage * Traits::kKVTileBytes);
+        wgmma::CommitGroup();
+        IssueValues<Traits>(acc_flat, p_frag, v_tiles + previous * Traits::kKVTileBytes);
+        wgmma::CommitGroup();
+        tma::NamedBarrierArrive(next_turn, kConsumerThreads);
+        wgmma::WaitGroup<1>();  // S of this tile; P V of the last still running
+        wgmma::FenceOperands(s_flat);
+        release(bars.k_empty(stage));
+        // The block's last Q K^T is done: the producer may load the next block's Q.
+        if (it == num_tiles - 1) release(bars.q_empty());
+        scores_to_probabilities(it);
+        wgmma::WaitGroup<0>();
+        wgmma::FenceOperands(acc_flat);
+        release(bars.v_empty(previous));
+        softmax.Rescale(acc, alpha);
+        PackProbabilities<Traits>(s[0], p_frag);
+      }
+
+      const int last = StageOf<kStages>(ring + num_tiles - 1);
+      tma::Wait(bars.v_full(last), ParityOf<kStages>(ring + num_tiles - 1));
+      tma::NamedBarrierSync(my_turn, kConsumerThreads);
+      wgmma::Fence();
+      IssueValues<Traits>(acc_flat, p_frag, v_tiles + last * Traits::kKVTileBytes);
+      wgmma::CommitGroup();
+      tma::NamedBarrierArrive(next_turn, kConsumerThreads);
       wgmma::WaitGroup<0>();
       wgmma::FenceOperands(acc_flat);
-      release(bars.v_empty(previous));
-      softmax.Rescale(acc, alpha);
-      PackProbabilities<Traits>(s[0], p_frag);
+      release(bars.v_empty(last));
+      ring += num_tiles;
+      ++q_loads;
     }
 
-    const int last = StageOf<kStages>(num_tiles - 1);
-    tma::Wait(bars.v_full(last), ParityOf<kStages>(num_tiles - 1));
-    tma::NamedBarrierSync(my_turn, kConsumerThreads);
-    wgmma::Fence();
-    IssueValues<Traits>(acc_flat, p_frag, v_tiles + last * Traits::kKVTileBytes);
-    wgmma::CommitGroup();
-    if (consumer + 1 < Traits::kConsumerWarpGroups) {
-      tma::NamedBarrierArrive(next_turn, kConsumerThreads);
-    }
-    wgmma::WaitGroup<0>();
-    wgmma::FenceOperands(acc_flat);
-    // The last V stage is not released: the producer has nothing more to load.
-  }
-
-  // Epilogue: O = acc / l (0 for rows that saw no key), staged through the warpgroup's own rows
-  // of the Q tile (its last Q K^T is done), then 16-byte stores of the rows inside the sequence;
-  // only head_dim columns of each.
-  float* lse = block.lse(p);
+    // Epilogue: O = acc / l (0 for rows that saw no key) from registers, the rows inside the
+    // sequence and head_dim columns of each: a quad writes 16 contiguous bytes of a row, which
+    // the L2 merges with its neighbours'. Staging through shared memory would hold Q's buffer
+    // past the block's last Q K^T, and the next block's Q load behind this epilogue.
+    float* lse = block.lse(p);
+    Element* o = static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
+                 block.head * p.o_head_stride;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float l = QuadSum(softmax.l[half]);
-    const float inv_l = InverseRowSum(l);
-    const int row = local_row + half * 8;
+    for (int half = 0; half < 2; ++half) {
+      const float l = QuadSum(softmax.l[half]);
+      const float inv_l = InverseRowSum(l);
+      const int row = local_row + half * 8;
+      if (row < rows_in_block) {
+        Element* o_row = o + row * p.o_token_stride + quad_col * 2;
 #pragma unroll
-    for (int dj = 0; dj < kHeadDim / 8; ++dj) {
-      const int col = dj * 8 + quad_col * 2;
-      *reinterpret_cast<uint32_t*>(swizzled_smem + wgmma::SwizzledByteOffset(row, col, kBlockM)) =
-          ptx::PackPair<Element>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
-    }
-    if (lse != nullptr && quad_col == 0 && row < rows_in_block) {
-      lse[row] = RowLse(softmax.m[half], l, p.scale);
+        for (int dj = 0; dj < kHeadDim / 8; ++dj) {
+          *reinterpret_cast<uint32_t*>(o_row + dj * 8) = ptx::PackPair<Element>(
+              acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
+        }
+        if (lse != nullptr && quad_col == 0) lse[row] = RowLse(softmax.m[half], l, p.scale);
+      }
     }
   }
-  tma::NamedBarrierSync(kEpilogueBarrier + consumer, 128);
-  Element* o = static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
-               block.head * p.o_head_stride;
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  static_assert(64 * kChunksPerRow % 128 == 0, "each thread stores whole chunks");
-#pragma unroll
-  for (int i = 0; i < 64 * kChunksPerRow / 128; ++i) {
-    const int c = threadIdx.x % 128 + i * 128;
-    const int row = consumer * 64 + c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    if (row < rows_in_block) {
-      *reinterpret_cast<uint4*>(o + row * p.o_token_stride + col) = *reinterpret_cast<const uint4*>(
-          swizzled_smem + wgmma::SwizzledByteOffset(row, col, kBlockM));
-    }
-  }
+  if (consumer == 0) tma::NamedBarrierSync(my_turn, kConsumerThreads);
 #endif  // ATTN_WGMMA_AVAILABLE
 }
 

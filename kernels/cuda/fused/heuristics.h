@@ -82,10 +82,14 @@ constexpr bool PagedPrefillPrefersTma(int head_dim, int page_tokens) {
   return head_dim > 64 || page_tokens >= 64;
 }
 
-// Registers a thread of each role keeps after setmaxnreg: the producer needs few, and the two
-// consumer warpgroups take the rest of the SM's 64K (128 x 24 + 256 x 240 = 64512).
-inline constexpr int kSm90TmaProducerRegisters = 24;
-inline constexpr int kSm90TmaConsumerRegisters = 240;
+// Registers a thread of each role keeps after setmaxnreg, the two summing to the CTA's 64512
+// (384 threads x 168): 128 x 40 + 256 x 232, except at head_dim 256, whose consumers need 240
+// for their 128 accumulators beside 40 scores and 20 packed P (128 x 24 + 256 x 240). The
+// producer walks the persistent grid's blocks (block indices, mask bounds, ring positions, the
+// queue's draws): at 24 registers ptxas spills 40-120 bytes of it (nvcc -Xptxas -v, CUDA
+// 13.0), at 40 nothing at head_dim 64, 96 and 128.
+constexpr int Sm90TmaProducerRegisters(int head_dim) { return head_dim > 128 ? 24 : 40; }
+constexpr int Sm90TmaConsumerRegisters(int head_dim) { return head_dim > 128 ? 240 : 232; }
 
 // Whether the default (FusedKernel::kAuto) on Hopper is the warp-specialised kernel rather than
 // the next one (lockstep at 64 and 128, portable mma.sync at 96 and 256), by head_dim and the

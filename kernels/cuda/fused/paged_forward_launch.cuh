@@ -36,15 +36,17 @@ cudaError_t LaunchPagedPrefill(Kernel one_page, Kernel many_pages, const PagedFo
 }
 
 // The warp-specialised kernel over the paged source, with Traits' shape: the maps of Q and of
-// the pool's K and V blocks, then the same grid as the other prefill kernels.
+// the pool's K and V blocks, then the kernel's persistent grid (query_schedule.cuh).
 // cudaErrorNotSupported where it cannot run: no sm_90a code for this device, pages of fewer than
 // kPagedTmaMinPageTokens tokens, a variable-length batch of 2^31 query tokens or more (its
-// coordinates are 32-bit), no tensor-map encoder, tensors the copy engine cannot address.
+// coordinates are 32-bit), no queue counters given or 2^31 query blocks or more
+// (query_schedule.cuh), no tensor-map encoder, tensors the copy engine cannot address.
 template <typename Traits>
 cudaError_t LaunchPagedPrefillSm90Tma(const PagedForwardParams& p, cudaStream_t stream) {
   constexpr auto kKernel = &FusedForwardSm90TmaKernel<Traits, sm90_tma::PagedKvTiles<Traits>>;
   if (p.page_shift < Log2(kPagedTmaMinPageTokens) ||
-      (p.cu_seqlens_q != nullptr && p.total_q >= (int64_t{1} << 31))) {
+      (p.cu_seqlens_q != nullptr && p.total_q >= (int64_t{1} << 31)) ||
+      p.tile_counters == nullptr || QueryBlocksOf<Traits::kBlockM>(p) >= (int64_t{1} << 31)) {
     return cudaErrorNotSupported;
   }
   if (!Sm90aKernelUsable<kKernel>()) return cudaErrorNotSupported;
@@ -53,9 +55,12 @@ cudaError_t LaunchPagedPrefillSm90Tma(const PagedForwardParams& p, cudaStream_t 
   const int box_rows = std::min(1 << std::min(p.page_shift, 30), Traits::kBlockN);
   cudaError_t err = EncodeQTensorMap(p, Traits::kHeadDim, Traits::kBlockM, &params.q_map);
   if (err == cudaSuccess) err = EncodePagedKvTensorMaps(p, box_rows, &params.k_map, &params.v_map);
+  unsigned ctas = 0;
+  if (err == cudaSuccess) {
+    err = PersistentCtas(QueryBlocksOf<Traits::kBlockM>(p), p.persistent_ctas, &ctas);
+  }
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.num_heads, p.batch);
-  return LaunchWithSharedMemory(kKernel, grid, Traits::kThreads, Traits::kSmemBytes, stream,
+  return LaunchWithSharedMemory(kKernel, dim3(ctas), Traits::kThreads, Traits::kSmemBytes, stream,
                                 params);
 }
 

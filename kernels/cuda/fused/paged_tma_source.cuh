@@ -80,7 +80,7 @@ struct PagedKvTiles {
                                           const QueryBlock<Traits::kBlockM>& block)
       : params(params),
         q(QueryTileOf(params.p, block)),
-        table(params.p.block_table + static_cast<int64_t>(blockIdx.z) * params.p.max_blocks),
+        table(params.p.block_table + static_cast<int64_t>(block.batch) * params.p.max_blocks),
         kv_head(block.kv_head(params.p)),
         seqlen_k(block.seq.seqlen_k),
         box_shift(min(params.p.page_shift, kBlockShift)),

@@ -16,20 +16,29 @@
 
 namespace attn::cuda {
 
-// kBlockM query rows of one (sequence, head), from the CTA's block index. Query blocks run in
-// reverse, so that the heavy causal blocks (late query rows) start first and shorten the tail.
+// kBlockM query rows of one (sequence, head), from the CTA's block index or given. By block
+// index, query blocks run in reverse, so that the heavy causal blocks (late query rows) start
+// first and shorten the tail.
 template <int kBlockM>
 struct QueryBlock {
   int head;
+  int batch;  // the sequence's index
   SequenceView<int> seq;
   int row0;  // first query row of the block within its sequence
 
   __device__ __forceinline__ explicit QueryBlock(const FusedForwardParams& p) {
     const int m_block = gridDim.x - 1 - blockIdx.x;
     head = blockIdx.y;
+    batch = blockIdx.z;
     seq = SequenceOf<int>(p, blockIdx.z);
     row0 = m_block * kBlockM;
   }
+
+  // Block m_block of query head `head` in sequence `batch`, for kernels that walk several
+  // blocks a CTA (query_schedule.cuh).
+  __device__ __forceinline__ QueryBlock(const FusedForwardParams& p, int m_block, int head,
+                                        int batch)
+      : head(head), batch(batch), seq(SequenceOf<int>(p, batch)), row0(m_block * kBlockM) {}
 
   // The block starts past its sequence's last query row: nothing to do.
   __device__ __forceinline__ bool empty() const { return row0 >= seq.seqlen_q; }
