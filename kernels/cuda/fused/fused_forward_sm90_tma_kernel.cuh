@@ -149,15 +149,14 @@ __device__ __forceinline__ void PostQueryBlock(const Barriers<Traits>& bars, int
   tma::Arrive(bars.slot_full(SlotOf(step)));
 }
 
-// The place of the CTA's step-th block, for the consumers: one lane of each warp releases the
-// slot once the warp has read it.
+// The place of the CTA's step-th block, for the consumers: every consumer thread releases the
+// slot once it has read it (its own read ordered before its own arrival, once a block).
 template <typename Traits>
 __device__ __forceinline__ int ReadQueryBlockSlot(const Barriers<Traits>& bars, const int* slots,
                                                   int step) {
   tma::Wait(bars.slot_full(SlotOf(step)), SlotParityOf(step));
   const int place = slots[SlotOf(step)];
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) tma::Arrive(bars.slot_empty(SlotOf(step)));
+  tma::Arrive(bars.slot_empty(SlotOf(step)));
   return place;
 }
 
@@ -313,11 +312,14 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
   }
   int ring = 0;     // K (and V) tiles loaded before this block's
   int q_loads = 0;  // Q tiles loaded before this block's
+  // The next block's place is drawn as soon as this one is posted: the atomic's round trip runs
+  // while this block's loads are issued.
+  int next = static_cast<int>(blockIdx.x);
   for (int step = 0;; ++step) {
-    int place = 0;
+    int place = next;
     if (leader) {
-      place = step == 0 ? static_cast<int>(blockIdx.x) : DrawQueryBlock(params.p.tile_counters);
       PostQueryBlock(bars, slots, step, place);
+      if (place < order.total) next = DrawQueryBlock(params.p.tile_counters);
     }
     if constexpr (Source::kProducerThreads > 1) place = __shfl_sync(0xffffffffu, place, 0);
     if (place >= order.total) break;
@@ -396,7 +398,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int slot = 0; slot < 2; ++slot) {
       tma::InitBarrier(bars.slot_full(slot), 1);
-      tma::InitBarrier(bars.slot_empty(slot), kConsumerThreads / 32);
+      tma::InitBarrier(bars.slot_empty(slot), kConsumerThreads);
     }
 #pragma unroll
     for (int stage = 0; stage < kStages; ++stage) {
