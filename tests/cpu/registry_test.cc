@@ -41,7 +41,7 @@ TEST(Registry, CudaEnginesWithoutCudaAreUnavailable) {
 
 TEST(Registry, FusedCapabilitiesListEachKernelOnce) {
   std::set<std::tuple<Pass, DType, int>> seen;
-  std::set<int> forward_dims;
+  std::set<int> forward_dims, backward_dims;
   for (const FusedCapability& row : FusedCapabilities()) {
     EXPECT_TRUE(seen.insert({row.pass, row.dtype, row.head_dim}).second)
         << PassName(row.pass) << " " << DTypeName(row.dtype) << " " << row.head_dim;
@@ -49,8 +49,10 @@ TEST(Registry, FusedCapabilitiesListEachKernelOnce) {
     EXPECT_LE(row.head_dim, kMaxHeadDim);
     EXPECT_NE(row.archs & FusedArch::kSm80, 0) << "every row has the portable kernel";
     if (row.pass == Pass::kForward) forward_dims.insert(row.head_dim);
+    if (row.pass == Pass::kBackward) backward_dims.insert(row.head_dim);
   }
   EXPECT_EQ(forward_dims, (std::set<int>{32, 64, 96, 128, 256}));
+  EXPECT_EQ(backward_dims, (std::set<int>{32, 64, 96, 128, 256}));
 }
 
 TEST(Registry, RefusalsHaveDistinctNames) {

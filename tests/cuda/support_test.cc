@@ -59,11 +59,23 @@ TEST(Support, FusedRefusesOtherHeadDimsWithTheReason) {
   // What AUTO falls back to takes it.
   EXPECT_TRUE(Naive(Pass::kForward, f.p).ok()) << Naive(Pass::kForward, f.p);
 
-  AttentionProblem d256 = Fixture(256).p;
-  EXPECT_TRUE(Fused(Pass::kForward, d256).ok());
-  const Support backward = Fused(Pass::kBackward, d256);
+  const Support backward = Fused(Pass::kBackward, f.p);
+  ASSERT_FALSE(backward.ok());
   EXPECT_EQ(backward.reason(), Refusal::kUnsupportedHeadDim) << backward;
-  EXPECT_TRUE(absl::StrContains(backward.status().message(), "backward head_dim 256")) << backward;
+  EXPECT_TRUE(absl::StrContains(backward.status().message(), "backward head_dim 80")) << backward;
+  EXPECT_TRUE(absl::StrContains(backward.status().message(), "32, 64, 96, 128, 256")) << backward;
+}
+
+TEST(Support, FusedBackwardCoversHeadDim256) {
+  const AttentionProblem d256 = Fixture(256).p;
+  EXPECT_TRUE(Fused(Pass::kForward, d256).ok()) << Fused(Pass::kForward, d256);
+  EXPECT_TRUE(Fused(Pass::kBackward, d256).ok()) << Fused(Pass::kBackward, d256);
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    // The portable kernel, on every GPU: there is no Hopper backward at 256.
+    EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 256, kSm80)) << DTypeName(t);
+    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 256, kSm90a)) << DTypeName(t);
+    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 256, kSm90aTma)) << DTypeName(t);
+  }
 }
 
 TEST(Support, MisalignedTensorsBreakTheFusedRule) {
@@ -149,7 +161,7 @@ TEST(Support, TableLookupsAgree) {
   }
   // The wgmma kernels exist where the table says so: the lockstep one at head_dim 64 and 128
   // (forward only), the warp-specialised one at 64, 96, 128 and 256, the Hopper backward at 64,
-  // 96 and 128.
+  // 96 and 128 (the backward at 32 and 256 is the portable kernel's).
   EXPECT_TRUE(HasFusedKernel(Pass::kForward, DType::kBF16, 64, kSm90a));
   EXPECT_TRUE(HasFusedKernel(Pass::kForward, DType::kF16, 128, kSm90a));
   EXPECT_FALSE(HasFusedKernel(Pass::kForward, DType::kBF16, 96, kSm90a));
@@ -165,7 +177,8 @@ TEST(Support, TableLookupsAgree) {
     EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 64, kSm90aTma));
     EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 96, kSm90aTma));
     EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 128, kSm90aTma));
-    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 256));
+    EXPECT_TRUE(HasFusedKernel(Pass::kBackward, t, 256));
+    EXPECT_FALSE(HasFusedKernel(Pass::kBackward, t, 256, kSm90aTma));
   }
 }
 

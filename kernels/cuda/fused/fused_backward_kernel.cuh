@@ -30,9 +30,10 @@ constexpr int kPadHalf = 8;  // 16 bytes of padding per shared row: fewer bank c
 
 // Query tiles in flight: with two, the next one loads while this one runs; with one, loads and
 // compute overlap only across the CTAs an SM holds. d = 128 takes one so that two CTAs fit on
-// an SM, which measured faster than two stages and one CTA (docs/cuda-fused.md).
+// an SM, which measured faster than two stages and one CTA (docs/cuda-fused.md); d = 256 takes
+// one because two (217 KiB) exceed the A100's 163 KiB per block.
 template <int D>
-constexpr int kStagesFor = D == 128 ? 1 : 2;
+constexpr int kStagesFor = D >= 128 ? 1 : 2;
 
 template <typename T, int D>
 struct SharedTiles {
@@ -89,10 +90,10 @@ __device__ void LoadTileAsync(T (*tile)[D + kPadHalf], const T* base, int64_t to
   }
 }
 
-// Two CTAs per SM where their shared memory fits (on Hopper every head_dim, d = 128 with one
-// stage; on an A100 d <= 64): the register cap that brings (128 per thread) measured faster
-// than one CTA with more registers (docs/cuda-fused.md). The device pass for each architecture
-// sizes the cap by its own shared memory per SM.
+// Two CTAs per SM where their shared memory fits (on Hopper d <= 128, d = 128 with one stage;
+// on an A100 d <= 64; at d = 256 nowhere: 151 KiB): the register cap that brings (128 per thread)
+// measured faster than one CTA with more registers (docs/cuda-fused.md). The device pass for each
+// architecture sizes the cap by its own shared memory per SM.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr size_t kSharedPerSm = 164 * 1024;  // A100
 #else
@@ -307,15 +308,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
       if (threadIdx.x == 0) WaitForTurn(dq_counter, DqTurn(p, seq, i0, kBlockK));
       __syncthreads();
     }
-    {
-      float dq[kColTiles][4] = {};
+    // At most 8 column tiles of dQ at a time: at d = 256 all 16 on top of dK and dV spill.
+    constexpr int kDqTiles = kColTiles < 8 ? kColTiles : 8;
+    static_assert(kColTiles % kDqTiles == 0, "whole chunks of dQ");
+#pragma unroll
+    for (int chunk = 0; chunk < kColTiles; chunk += kDqTiles) {
+      const int dq0 = col0 + chunk * 8;
+      float dq[kDqTiles][4] = {};
 #pragma unroll
       for (int kk = 0; kk < kBlockK; kk += 16) {
         uint32_t a[4], b[4];
         frag.A(a, sm.ds, row0, kk);
 #pragma unroll
-        for (int n = 0; n < kColTiles; n += 2) {
-          frag.BOfColumns(b, sm.k, kk, col0 + n * 8);
+        for (int n = 0; n < kDqTiles; n += 2) {
+          frag.BOfColumns(b, sm.k, kk, dq0 + n * 8);
           MmaTilePair<T>(dq, n, a, b);
         }
       }
@@ -323,9 +329,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
       for (int half = 0; half < 2; ++half) {
         const int r = row0 + g + half * 8;
         if (r >= rows) continue;
-        float* out = dq_accum + ((seq.q_start + i0 + r) * p.num_heads + h) * D + col0 + pair;
+        float* out = dq_accum + ((seq.q_start + i0 + r) * p.num_heads + h) * D + dq0 + pair;
 #pragma unroll
-        for (int n = 0; n < kColTiles; ++n) {
+        for (int n = 0; n < kDqTiles; ++n) {
           const float x0 = dq[n][half * 2] * p.scale, x1 = dq[n][half * 2 + 1] * p.scale;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           atomicAdd(reinterpret_cast<float2*>(out + n * 8), make_float2(x0, x1));
