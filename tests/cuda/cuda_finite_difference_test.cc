@@ -3,9 +3,10 @@
 // default kernel choice (kAuto: the Hopper backward on Hopper wherever the table has it), the
 // Hopper backward pinned, and the portable kernel pinned. Gradients are poisoned before each
 // run and checked fully written. Every test skips when there is no CUDA device; the pinned
-// Hopper test also off Hopper and where the table has no Hopper backward (head_dim 32).
+// Hopper test also off Hopper and where the table has no Hopper backward (head_dim 32 and 256).
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attn/engine.h"
@@ -86,7 +87,25 @@ TEST_P(CudaFiniteDifferenceTest, PortableBackwardMatchesFiniteDifferences) {
   RunAndCheck(**fused);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fd, CudaFiniteDifferenceTest, ::testing::ValuesIn(FiniteDifferenceCases()),
+// The shared cases and, here only, head_dim 256 (the portable kernel on every GPU): a partial
+// key block, several blocks with causal masking, rows that see no key, a window over a
+// variable-length batch with an empty sequence.
+std::vector<SweepCase> CudaFiniteDifferenceCases() {
+  constexpr DType f16 = DType::kF16, bf16 = DType::kBF16;
+  std::vector<SweepCase> s = FiniteDifferenceCases();
+  s.push_back({"len37_bf16_d256_gqa2", DenseProblem(bf16, 1, 37, 37, 4, 2, 256, false)});
+  s.push_back({"len130_causal_f16_d256", DenseProblem(f16, 1, 130, 130, 2, 2, 256, true)});
+  s.push_back({"q130_k37_causal_bf16_d256", DenseProblem(bf16, 1, 130, 37, 2, 1, 256, true)});
+  SweepCase window{"varlen_window20_7_f16_d256_gqa2",
+                   VarlenProblem(f16, {37, 0, 130}, {50, 5, 130}, 4, 2, 256, false)};
+  window.problem.window_left = 20;
+  window.problem.window_right = 7;
+  s.push_back(window);
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fd, CudaFiniteDifferenceTest,
+                         ::testing::ValuesIn(CudaFiniteDifferenceCases()),
                          [](const ::testing::TestParamInfo<SweepCase>& info) {
                            return info.param.name;
                          });

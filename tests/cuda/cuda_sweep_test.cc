@@ -26,10 +26,11 @@
 namespace attn::testing {
 namespace {
 
-// The fused kernel must cover these; a Supports that rejects them is a bug, not a skip.
+// The fused kernel must cover these (forward and backward); a Supports that rejects them is a
+// bug, not a skip.
 bool FusedMustSupport(const AttentionProblem& p) {
   return (p.dtype == DType::kF16 || p.dtype == DType::kBF16) &&
-         (p.head_dim == 64 || p.head_dim == 128);
+         (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256);
 }
 
 class CudaSweepTest : public ::testing::TestWithParam<SweepCase> {
@@ -206,8 +207,8 @@ TEST_P(CudaSweepTest, FusedForwardMatchesReference) {
   const AttentionProblem& p = c.problem;
   const Support supported = cuda::FusedSupports(Pass::kForward, p);
   if (FusedMustSupport(p)) {
-    ASSERT_TRUE(supported.ok()) << "the fused kernel must cover fp16/bf16 with head_dim 64/128: "
-                                << supported;
+    ASSERT_TRUE(supported.ok())
+        << "the fused kernel must cover fp16/bf16 with head_dim 64/128/256: " << supported;
   } else if (!supported.ok()) {
     GTEST_SKIP() << "fused kernel does not cover this problem: " << supported;
   }
@@ -271,6 +272,52 @@ TEST_P(CudaSweepTest, AutoChoiceMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, CudaSweepTest, ::testing::ValuesIn(StandardSweep()),
+                         [](const ::testing::TestParamInfo<SweepCase>& info) {
+                           return info.param.name;
+                         });
+
+// The backward at head_dim 256 (the portable kernel on every GPU, one query stage of 151 KiB,
+// dQ in two chunks of columns) under the tests above, the backward ones its point: lengths that
+// end in partial tiles of 64, q != k both ways under causal masking, windows, GQA 2 to 8, a
+// variable-length batch with empty sequences, padded strides (the element-wise loads). Small:
+// the float64 reference runs on the host.
+std::vector<SweepCase> Backward256Sweep() {
+  constexpr DType f16 = DType::kF16, bf16 = DType::kBF16;
+  const auto dense = [](std::string name, DType t, int batch, int64_t lq, int64_t lk, int hq,
+                        int hk, bool causal) {
+    return SweepCase{std::move(name), DenseProblem(t, batch, lq, lk, hq, hk, 256, causal)};
+  };
+  const auto window = [](SweepCase c, int left, int right) {
+    c.problem.window_left = left;
+    c.problem.window_right = right;
+    return c;
+  };
+  std::vector<SweepCase> s;
+  s.push_back(dense("len1_f16_d256", f16, 1, 1, 1, 2, 2, false));
+  s.push_back(dense("len17_causal_bf16_d256_gqa2", bf16, 1, 17, 17, 4, 2, true));
+  s.push_back(dense("len177_f16_d256_batch2", f16, 2, 177, 177, 2, 2, false));
+  s.push_back(dense("len177_causal_bf16_d256", bf16, 1, 177, 177, 2, 2, true));
+  s.push_back(dense("q17_k177_causal_f16_d256_gqa2", f16, 1, 17, 177, 4, 2, true));
+  // The first 160 rows see no key.
+  s.push_back(dense("q177_k17_causal_bf16_d256", bf16, 1, 177, 17, 2, 1, true));
+  s.push_back(dense("q130_k300_bf16_d256_gqa4", bf16, 1, 130, 300, 4, 1, false));
+  s.push_back(dense("q17_k300_f16_d256_gqa8", f16, 1, 17, 300, 8, 1, false));
+  s.push_back(window(dense("window40_10_f16_d256_gqa2", f16, 1, 177, 200, 4, 2, false), 40, 10));
+  s.push_back(window(dense("window64_causal_bf16_d256", bf16, 1, 300, 300, 2, 2, true), 64, 0));
+  s.push_back(
+      {"varlen_empty_causal_bf16_d256_gqa2",
+       VarlenProblem(bf16, {0, 17, 1, 177, 0, 33}, {5, 17, 33, 177, 0, 0}, 4, 2, 256, true)});
+  s.push_back(
+      {"varlen_f16_d256_gqa2", VarlenProblem(f16, {33, 100, 7}, {50, 130, 1}, 4, 2, 256, false)});
+  {
+    SweepCase c = dense("dense_batch3_padded_f16_d256_gqa2", f16, 3, 64, 80, 4, 2, true);
+    c.padded = true;
+    s.push_back(c);
+  }
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backward256, CudaSweepTest, ::testing::ValuesIn(Backward256Sweep()),
                          [](const ::testing::TestParamInfo<SweepCase>& info) {
                            return info.param.name;
                          });
