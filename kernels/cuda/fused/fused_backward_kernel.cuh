@@ -186,6 +186,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
   // The query tiles this block meets, head by head of its group. Tile t + 1's Q, dO, LSE and D
   // load (cp.async) while tile t runs.
   constexpr int kStages = kStagesFor<D>;
+  // d = 256: one stage and one CTA per SM, so nothing would hide a tile's load; it is issued
+  // as soon as dV and dK of the tile before are done with the stage, and lands under that
+  // tile's dQ. d = 128 keeps its measured schedule (the other CTA on the SM overlaps the load).
+  constexpr bool kRefillUnderDq = kStages == 1 && D > 128;
   const QueryTiles block_tiles(p, seq, k0, keys, kBlockQ);
   const int64_t tiles = block_tiles.count;
   const auto tile_head = [&](int64_t t) { return block_tiles.head(t, kv_head); };
@@ -217,13 +221,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
     }
     ptx::CommitAsyncGroup();
   };
-  if (kStages > 1 && tiles > 0) issue(0);
+  if ((kStages > 1 || kRefillUnderDq) && tiles > 0) issue(0);
 
   for (int64_t t = 0; t < tiles; ++t) {
     const int stage = static_cast<int>(t % kStages);
     const int h = tile_head(t);
     const int64_t i0 = tile_row0(t), rows = Min64(kBlockQ, seq.seqlen_q - i0);
-    if (kStages == 1) {
+    if (kStages == 1 && !kRefillUnderDq) {
       if (t > 0) __syncthreads();  // every warp is done with tile t - 1's Q, dO, P and dS
       issue(t);
     }
@@ -298,6 +302,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<D>)
         frag.BOfColumns(b, tq, kk, col0 + n * 8);
         MmaTilePair<T>(dk, n, a_ds, b);
       }
+    }
+    if constexpr (kRefillUnderDq) {
+      __syncthreads();  // every warp is done with this tile's Q and dO
+      if (t + 1 < tiles) issue(t + 1);
     }
     // This tile's dQ = dS K (16 query rows x kHalf columns), added to the accumulator from
     // registers: two columns per atomic on Hopper. Deterministic mode: the whole CTA's adds of
