@@ -93,7 +93,7 @@ cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t strea
                                   ? params.seqlen_k
                                   : params.total_k / std::max(params.batch, 1);
     if (pinned == FusedKernel::kSm90Tma ||
-        (pinned == FusedKernel::kAuto && Sm90TmaIsDefault(kHeadDim, mean_keys))) {
+        (pinned == FusedKernel::kAuto && Sm90TmaIsDefault(kHeadDim, mean_keys, masked))) {
       const cudaError_t err = RunFusedForwardSm90Tma<Element, kHeadDim>(params, masked, stream);
       // kAuto falls back to the next kernel where this one cannot run.
       if (err != cudaErrorNotSupported || pinned == FusedKernel::kSm90Tma) return err;

@@ -92,17 +92,17 @@ constexpr int Sm90TmaProducerRegisters(int head_dim) { return head_dim > 128 ? 2
 constexpr int Sm90TmaConsumerRegisters(int head_dim) { return head_dim > 128 ? 240 : 232; }
 
 // Whether the default (FusedKernel::kAuto) on Hopper is the warp-specialised kernel rather than
-// the next one (lockstep at 64 and 128, portable mma.sync at 96 and 256), by head_dim and the
-// mean keys per sequence: where it measured faster (docs/cuda-fused.md, "The warp-specialised
-// Hopper kernel"). At head_dim 128 it is 1.4-1.6x the lockstep kernel from 1024 keys on; at 64
-// it wins from 4096 keys (1.04-1.10x) and loses at 1024 (0.85-0.97x), where its 128-row CTAs
-// leave SMs idle. At 96 and 256, not yet measured, it is the default by reasoning: the
-// alternative is the mma.sync kernel, which at 128 ran at 0.47-0.60x the TMA kernel on the same
-// grid (284-312 against 503-634 TFLOP/s unmasked), and 96 runs the TMA kernel's shapes of 128
-// with a sixth more MMA work than it needs (its P V is 128 columns wide).
-constexpr bool Sm90TmaIsDefault(int head_dim, int64_t mean_keys) {
+// the next one (lockstep at 64 and 128, portable mma.sync at 96 and 256), by head_dim, the mean
+// keys per sequence and the mask: where it measured faster (docs/cuda-fused.md, "The
+// warp-specialised Hopper kernel"). At head_dim 128 it is 1.3-1.7x the lockstep kernel
+// everywhere. At 64, with its persistent grid (H200, 2026-12-01, 16k tokens a batch, bf16 and
+// fp16), it wins unmasked from 2048 keys (1.06-1.09x the lockstep kernel; at 1024 0.93-0.97x)
+// and causal from 4096; causal at 1024 and 2048 it measured 0.94-1.10x, no winner across the
+// dtypes, and the lockstep kernel stays. At 96 and 256 it is the only Hopper kernel: the
+// mma.sync kernel ran at 0.38-0.71x it.
+constexpr bool Sm90TmaIsDefault(int head_dim, int64_t mean_keys, bool masked) {
   return head_dim == 96 || head_dim == 128 || head_dim == 256 ||
-         (head_dim == 64 && mean_keys >= 4096);
+         (head_dim == 64 && mean_keys >= (masked ? 4096 : 2048));
 }
 
 // ---- Paged K/V (paged_forward.h) ----
