@@ -24,10 +24,14 @@ struct QueryBlockIndex {
   int m_block, head, batch;
 };
 
-// The query blocks of a launch: m_blocks x heads x batch of them.
+// The query blocks of the longest sequence, and of a launch (that times heads and batch).
+template <int kBlockM>
+__host__ __device__ inline int64_t QueryBlocksPerHead(const FusedForwardParams& p) {
+  return (p.max_seqlen_q + kBlockM - 1) / kBlockM;
+}
 template <int kBlockM>
 __host__ __device__ inline int64_t QueryBlocksOf(const FusedForwardParams& p) {
-  return (p.max_seqlen_q + kBlockM - 1) / kBlockM * p.num_heads * p.batch;
+  return QueryBlocksPerHead<kBlockM>(p) * p.num_heads * p.batch;
 }
 
 // The blocks of a launch by their place in the queue.
@@ -38,8 +42,8 @@ struct QueryBlockOrder {
 
   template <int kBlockM>
   __device__ __forceinline__ static QueryBlockOrder Of(const FusedForwardParams& p) {
-    return {static_cast<int>((p.max_seqlen_q + kBlockM - 1) / kBlockM), p.num_heads,
-            static_cast<int>(QueryBlocksOf<kBlockM>(p))};
+    const int m_blocks = static_cast<int>(QueryBlocksPerHead<kBlockM>(p));
+    return {m_blocks, p.num_heads, m_blocks * p.num_heads * p.batch};
   }
 
   // Block `index` (< total).
