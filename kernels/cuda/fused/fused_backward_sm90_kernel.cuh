@@ -33,7 +33,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
 #include "cuda/fused/backward_tiles.cuh"
 #include "cuda/fused/dq_order.cuh"
@@ -574,6 +573,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const bool masked = keys < kBlockN ||
                         (p.window_right >= 0 && k0 + kBlockN - 1 > row0 + shift + p.window_right) ||
                         (p.window_left >= 0 && k0 < last_row + shift - p.window_left);
+    const ElementMask mask(p, k0 + key_row, row0 + pair, shift, k0 + keys);
     wgmma::WaitGroup<1>();
     wgmma::FenceOperands(s);
 #pragma unroll
@@ -583,12 +583,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int e = 0; e < 4; ++e) {
         float& x = s[j * 4 + e];
         x = ptx::Exp2(fmaf(x, scale_log2, -(e % 2 == 0 ? row_lse.x : row_lse.y)));
-        if (masked) {
-          const int64_t key = k0 + key_row + (e / 2) * 8;
-          const KeyRange visible = VisibleKeys(row0 + j * 8 + pair + e % 2, seq.seqlen_q,
-                                               seq.seqlen_k, p.window_left, p.window_right);
-          if (key < visible.begin || key >= visible.end) x = 0.f;
-        }
+        // Element (key_row + 8 (e / 2), row j 8 + pair + e % 2) of the thread's fragment.
+        if (masked && !mask.Visible((e / 2) * 8, j * 8 + e % 2)) x = 0.f;
       }
     }
     // dS^T = P^T (dP^T - D).
