@@ -31,4 +31,30 @@ ATTN_HOST_DEVICE KeyRange VisibleKeys(int64_t row, int64_t seqlen_q, int64_t seq
   return {begin, end};
 }
 
+// The same mask for a kernel's registers: elements at small offsets (dk keys, dr query rows)
+// from a base element (key `key`, query row `row`), tested in 32 bits. The element at
+// (key + dk, row + dr) is visible when dk - dr lies within [-left, right] and dk < keys_left,
+// which is VisibleKeys for |dk|, |dr| < kReach: each bound is clamped to +-kReach, so that a
+// window wider than a tile (or none) costs two compares with immediates an element when the
+// offsets are compile-time constants. keys_end: the first key past those in play (a block's
+// end or the sequence's, whichever comes first; the clip at key 0 needs no test).
+struct ElementMask {
+  static constexpr int kReach = 1024;
+  int left, right, keys_left;
+
+  ATTN_HOST_DEVICE ElementMask(int64_t window_left, int64_t window_right, int64_t key, int64_t row,
+                               int64_t seqlen_q, int64_t seqlen_k, int64_t keys_end) {
+    const int64_t diff = key - (row + seqlen_k - seqlen_q);  // past the row's own key position
+    left = window_left < 0 ? kReach : Clamp(diff + window_left);
+    right = window_right < 0 ? kReach : Clamp(window_right - diff);
+    keys_left = Clamp(keys_end - key);
+  }
+  ATTN_HOST_DEVICE bool Visible(int dk, int dr) const {
+    return dk - dr >= -left && dk - dr <= right && dk < keys_left;
+  }
+  ATTN_HOST_DEVICE static int Clamp(int64_t x) {
+    return static_cast<int>(x < -kReach ? -kReach : (x > kReach ? kReach : x));
+  }
+};
+
 }  // namespace attn

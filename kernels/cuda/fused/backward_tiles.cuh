@@ -38,31 +38,6 @@ struct QueryTiles {
   }
 };
 
-// The visibility mask (attn/mask.h, VisibleKeys) of the elements one thread holds of a tile, in
-// 32-bit offsets from the thread's first element (key `key`, query row `row`): the element at
-// key + dk, row + dr is visible when `dk - dr` lies within [-left, right] and dk < keys_left.
-// Each bound is clamped to +-kReach, beyond any offset inside a tile, so that a window wider
-// than the tile (or none) costs two compares with immediates an element.
-struct ElementMask {
-  static constexpr int kReach = 1024;
-  int left, right, keys_left;
-
-  // keys_end: the first key past the block's (and the sequence's) keys; shift: lk - lq.
-  __device__ ElementMask(const FusedBackwardParams& p, int64_t key, int64_t row, int64_t shift,
-                         int64_t keys_end) {
-    const int64_t diff = key - (row + shift);  // the key's place past the row's own position
-    left = p.window_left < 0 ? kReach : Clamp(diff + p.window_left);
-    right = p.window_right < 0 ? kReach : Clamp(p.window_right - diff);
-    keys_left = Clamp(keys_end - key);
-  }
-  __device__ __forceinline__ bool Visible(int dk, int dr) const {
-    return dk - dr >= -left && dk - dr <= right && dk < keys_left;
-  }
-  __device__ __forceinline__ static int Clamp(int64_t x) {
-    return static_cast<int>(Max64(-kReach, Min64(kReach, x)));
-  }
-};
-
 // The lowest key block of `block_n` keys that meets query tile [row0, row0 + rows): only the
 // left window bounds it (a block meets the tiles from its first visible row to its last).
 __device__ __forceinline__ int64_t FirstKeyBlockOf(const FusedBackwardParams& p,

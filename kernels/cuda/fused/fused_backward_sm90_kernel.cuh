@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attn/mask.h"
 #include "cuda/common/element_convert.cuh"
 #include "cuda/fused/backward_tiles.cuh"
 #include "cuda/fused/dq_order.cuh"
@@ -573,7 +574,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const bool masked = keys < kBlockN ||
                         (p.window_right >= 0 && k0 + kBlockN - 1 > row0 + shift + p.window_right) ||
                         (p.window_left >= 0 && k0 < last_row + shift - p.window_left);
-    const ElementMask mask(p, k0 + key_row, row0 + pair, shift, k0 + keys);
+    const ElementMask mask(p.window_left, p.window_right, k0 + key_row, row0 + pair, seq.seqlen_q,
+                           seq.seqlen_k, k0 + keys);
     wgmma::WaitGroup<1>();
     wgmma::FenceOperands(s);
 #pragma unroll
