@@ -3,7 +3,7 @@
 // default kernel choice (kAuto: the Hopper backward on Hopper wherever the table has it), the
 // Hopper backward pinned, and the portable kernel pinned. Gradients are poisoned before each
 // run and checked fully written. Every test skips when there is no CUDA device; the pinned
-// Hopper test also off Hopper and where the table has no Hopper backward (head_dim 32 and 256).
+// Hopper test also off Hopper and where the table has no Hopper backward (head_dim 32).
 #include <memory>
 #include <string>
 #include <vector>
@@ -87,8 +87,8 @@ TEST_P(CudaFiniteDifferenceTest, PortableBackwardMatchesFiniteDifferences) {
   RunAndCheck(**fused);
 }
 
-// The shared cases and, here only, head_dim 256 (the portable kernel on every GPU): a partial
-// key block, several blocks with causal masking, rows that see no key, a window over a
+// The shared cases and, here only, head_dim 256 (its own Hopper kernel, 64 keys a CTA): a
+// partial key block, several blocks with causal masking, rows that see no key, a window over a
 // variable-length batch with an empty sequence.
 std::vector<SweepCase> CudaFiniteDifferenceCases() {
   constexpr DType f16 = DType::kF16, bf16 = DType::kBF16;

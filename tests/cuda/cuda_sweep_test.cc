@@ -484,6 +484,13 @@ INSTANTIATE_TEST_SUITE_P(Sweep, CudaHopperBackwardTest, ::testing::ValuesIn(Hopp
                          [](const ::testing::TestParamInfo<SweepCase>& info) {
                            return info.param.name;
                          });
+// head_dim 256's own kernel (64 keys a CTA, shared by the two consumer warpgroups) on the
+// short cases of every shape.
+INSTANTIATE_TEST_SUITE_P(Backward256, CudaHopperBackwardTest,
+                         ::testing::ValuesIn(Backward256Sweep()),
+                         [](const ::testing::TestParamInfo<SweepCase>& info) {
+                           return info.param.name;
+                         });
 
 }  // namespace
 }  // namespace attn::testing

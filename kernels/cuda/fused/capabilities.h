@@ -26,9 +26,10 @@ inline constexpr uint8_t kSm90aTma = FusedArch::kSm90aTma;
 // bound by memory, paged_forward.h). The forward's and the paged forward's rows at 64, 96, 128
 // and 256 hold the warp-specialised TMA kernel (kSm90aTma, FusedForwardSm90TmaTraits; over
 // pages its prefill, with the paged source of paged_tma_source.cuh); at 96 and 256 it is the
-// only Hopper kernel (no kSm90a). The backward's rows at 64, 96 and 128 hold the Hopper backward
-// (kSm90aTma: TMA and wgmma, FusedBackwardSm90Traits; 96 on the tiles of 128); at 32 and 256
-// the backward has the portable kernel only, on Hopper too.
+// only Hopper kernel (no kSm90a). The backward's rows at 64, 96, 128 and 256 hold the Hopper
+// backward (kSm90aTma: TMA and wgmma; FusedBackwardSm90Traits, 96 on the tiles of 128, and at
+// 256 FusedBackwardSm90WideTraits); at 32 the backward has the portable kernel only, on Hopper
+// too.
 // clang-format off
 inline constexpr FusedCapability kFusedKernels[] = {
     // pass               dtype         head_dim  archs
@@ -46,12 +47,12 @@ inline constexpr FusedCapability kFusedKernels[] = {
     {Pass::kBackward,     DType::kF16,  64,       kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kF16,  96,       kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kF16,  128,      kSm80 | kSm90aTma},
-    {Pass::kBackward,     DType::kF16,  256,      kSm80},
+    {Pass::kBackward,     DType::kF16,  256,      kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kBF16, 32,       kSm80},
     {Pass::kBackward,     DType::kBF16, 64,       kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kBF16, 96,       kSm80 | kSm90aTma},
     {Pass::kBackward,     DType::kBF16, 128,      kSm80 | kSm90aTma},
-    {Pass::kBackward,     DType::kBF16, 256,      kSm80},
+    {Pass::kBackward,     DType::kBF16, 256,      kSm80 | kSm90aTma},
     {Pass::kPagedForward, DType::kF16,  32,       kSm80},
     {Pass::kPagedForward, DType::kF16,  64,       kSm80 | kSm90a | kSm90aTma},
     {Pass::kPagedForward, DType::kF16,  96,       kSm80 | kSm90aTma},

@@ -11,21 +11,35 @@
 #include "cuda/fused/fused_backward_kernel.cuh"
 #include "cuda/fused/fused_backward_launch.h"
 #include "cuda/fused/fused_backward_sm90_kernel.cuh"
+#include "cuda/fused/fused_backward_sm90_wide_kernel.cuh"
 #include "cuda/fused/sm90a_usable.cuh"
 #include "cuda/fused/tensor_map.h"
 
 namespace attn::cuda {
 
-// The Hopper kernel: tensor maps of Q, dO (kBlockM-row boxes), K, V (128-row boxes), each
+// The Hopper kernels: up to head_dim 128 a CTA of 128 keys, 64 a consumer warpgroup
+// (fused_backward_sm90_kernel.cuh); at 256 one of 64 keys that both warpgroups share
+// (fused_backward_sm90_wide_kernel.cuh).
+template <typename T, int kHeadDim>
+struct Sm90Backward {
+  using Traits = FusedBackwardSm90Traits<T, kHeadDim>;
+  static constexpr auto kKernel = &FusedBackwardSm90Kernel<Traits>;
+};
+template <typename T>
+struct Sm90Backward<T, 256> {
+  using Traits = FusedBackwardSm90WideTraits<T, 256>;
+  static constexpr auto kKernel = &FusedBackwardSm90WideKernel<Traits>;
+};
+
+// A Hopper kernel: tensor maps of Q, dO (kBlockM-row boxes), K, V (kBlockN-row boxes), each
 // head_dim wide (so that a tile's columns past it arrive as zeros), and the dQ accumulator
-// (64-row boxes), then one CTA per (128-key block, KV head, sequence). cudaErrorNotSupported
-// when it cannot run here (no sm_90a code for this device, no tensor-map encoder, tensors the
-// copy engine cannot address).
-template <typename Traits>
+// (64-row boxes), then one CTA per (key block, KV head, sequence). cudaErrorNotSupported when
+// it cannot run here (no sm_90a code for this device, no tensor-map encoder, tensors the copy
+// engine cannot address).
+template <typename Traits, auto kKernel>
 cudaError_t LaunchFusedBackwardSm90(const FusedBackwardParams& p,
                                     const FusedBackwardWorkspace& work, bool aligned_outputs,
                                     cudaStream_t stream) {
-  constexpr auto kKernel = &FusedBackwardSm90Kernel<Traits>;
   if (!Sm90aKernelUsable<kKernel>()) return cudaErrorNotSupported;
   const bool varlen = p.cu_seqlens_q != nullptr;
   // Tile coordinates are 32-bit, and a variable-length batch addresses tokens by them.
@@ -72,7 +86,8 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
     // 1.4-1.9x at 96 (the tiles of 128, a fifth more MMA work than 96 needs) and 1.6-2.3x at 128
     // (docs/performance.md).
     if (pinned != FusedKernel::kPortable && aligned_inputs) {
-      const cudaError_t err = LaunchFusedBackwardSm90<FusedBackwardSm90Traits<T, kHeadDim>>(
+      using Hopper = Sm90Backward<T, kHeadDim>;
+      const cudaError_t err = LaunchFusedBackwardSm90<typename Hopper::Traits, Hopper::kKernel>(
           params, work, aligned_outputs, stream);
       // kAuto falls back to the portable kernel where this one cannot run.
       if (err != cudaErrorNotSupported || pinned != FusedKernel::kAuto) return err;

@@ -361,27 +361,38 @@ __device__ __forceinline__ void IssueQueryGradientBlock(float (&dq)[Traits::kDqC
   wgmma::CommitGroup();
 }
 
+// A warpgroup's 64-row block of dQ (m64nN accumulators), scaled, into shared memory as boxes
+// of the accumulator's tensor map read it: element (r, c) at box c / 32, row r, its 16-byte
+// chunk swizzled.
+template <int kColumns>
+__device__ __forceinline__ void StoreStagedQueryGradient(const float (&dq)[kColumns / 2],
+                                                         unsigned char* block, float scale) {
+  constexpr int kBoxColumns = 32, kBoxBytes = 64 * kBoxColumns * 4;
+  const int lane = threadIdx.x % 32;
+  const int row = (threadIdx.x % 128) / 32 * 16 + lane / 4;  // + 8 for the second pair
+  const int pair = (lane % 4) * 2;
+  const auto at = [&](int r, int c) {
+    const int chunk = (c % kBoxColumns) / 4;
+    return reinterpret_cast<float2*>(block + (c / kBoxColumns) * kBoxBytes + r * 128 +
+                                     ((chunk ^ (r % 8)) * 16) + (c % 4) * 4);
+  };
+#pragma unroll
+  for (int n = 0; n < kColumns / 8; ++n) {
+    *at(row, n * 8 + pair) = make_float2(dq[n * 4] * scale, dq[n * 4 + 1] * scale);
+    *at(row + 8, n * 8 + pair) = make_float2(dq[n * 4 + 2] * scale, dq[n * 4 + 3] * scale);
+  }
+}
+
 // The block, scaled, into the warpgroup's staging for the dQ warp once the warp has read out the
-// one before: element (r, c) of the block at box c / 32, row r, its 16-byte chunk swizzled.
+// one before.
 template <typename Traits>
 __device__ __forceinline__ void StageQueryGradientBlock(const float (&dq)[Traits::kDqColumns / 2],
                                                         unsigned char* staged, int consumer,
                                                         float scale) {
-  const int lane = threadIdx.x % 32;
-  const int row = (threadIdx.x % 128) / 32 * 16 + lane / 4;  // + 8 for the second pair
-  const int pair = (lane % 4) * 2;
-  unsigned char* block = staged + consumer * Traits::kDqBlockBytes;
-  const auto at = [&](int r, int c) {
-    const int chunk = (c % Traits::kDqBoxColumns) / 4;
-    return reinterpret_cast<float2*>(block + (c / Traits::kDqBoxColumns) * Traits::kDqBoxBytes +
-                                     r * 128 + ((chunk ^ (r % 8)) * 16) + (c % 4) * 4);
-  };
+  static_assert(Traits::kDqBoxColumns == 32, "the accumulator's boxes are 128 bytes wide");
   tma::NamedBarrierSync(kDqFreeBarrier + consumer, kDqHandoffThreads);
-#pragma unroll
-  for (int n = 0; n < Traits::kDqColumns / 8; ++n) {
-    *at(row, n * 8 + pair) = make_float2(dq[n * 4] * scale, dq[n * 4 + 1] * scale);
-    *at(row + 8, n * 8 + pair) = make_float2(dq[n * 4 + 2] * scale, dq[n * 4 + 3] * scale);
-  }
+  StoreStagedQueryGradient<Traits::kDqColumns>(dq, staged + consumer * Traits::kDqBlockBytes,
+                                               scale);
   wgmma::FenceSharedForAsyncProxy();
   tma::NamedBarrierArrive(kDqStagedBarrier + consumer, kDqHandoffThreads);
 }

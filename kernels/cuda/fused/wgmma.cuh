@@ -75,6 +75,13 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+// The head_dim 256 backward's score tiles: 64 keys x 32 queries a warpgroup (n32).
+#define ATTN_WGMMA_ACC_REGS_16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define ATTN_WGMMA_ACC_OPERANDS_16(d)                                                             \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15])
 #define ATTN_WGMMA_ACC_REGS_32                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -191,7 +198,8 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
 // `accumulate` is 0. Operands after the NACC accumulators: descriptors, then the flag. TRANS is
 // the instruction's transpose pair: "0, 0" for A and B K-major (MmaSS_N), "1, 1" for both
 // MN-major (MmaSSMnMajor_N: A's 64 rows contiguous, B's N columns contiguous, as the backward's
-// dQ = dS K reads dS^T and K where they lie).
+// dQ = dS K reads dS^T and K where they lie), "0, 1" for A K-major and B MN-major
+// (MmaSSMnMajorB_N: the head_dim 256 backward's dV += P^T dO with P^T from shared memory).
 #define ATTN_DEFINE_WGMMA_SS_NAMED(NAME, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, TRANS)      \
   __device__ __forceinline__ void NAME(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,         \
                                        int accumulate, ELEMENT) {                                 \
@@ -207,6 +215,8 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
   ATTN_DEFINE_WGMMA_SS_NAMED(MmaSS_##N, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, "0, 0")
 #define ATTN_DEFINE_WGMMA_SS_MN_MAJOR(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX) \
   ATTN_DEFINE_WGMMA_SS_NAMED(MmaSSMnMajor_##N, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, "1, 1")
+#define ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B(N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX) \
+  ATTN_DEFINE_WGMMA_SS_NAMED(MmaSSMnMajorB_##N, N, NACC, DESC_A, DESC_B, FLAG, ELEMENT, PTX, "0, 1")
 
 // D[64 x N] += A[64 x 16] * B[16 x N], A in registers (per warp, the mma.sync m16n8k16
 // A-fragment layout of its 16 rows), B MN-major in shared memory.
@@ -230,6 +240,8 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
   } while (0)
 #endif
 
+ATTN_DEFINE_WGMMA_SS(32, 16, 16, 17, 18, __half, "f16")
+ATTN_DEFINE_WGMMA_SS(32, 16, 16, 17, 18, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_SS(64, 32, 32, 33, 34, __half, "f16")
 ATTN_DEFINE_WGMMA_SS(64, 32, 32, 33, 34, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_SS(128, 64, 64, 65, 66, __half, "f16")
@@ -249,10 +261,13 @@ ATTN_DEFINE_WGMMA_RS(256, 128, 128, 129, 130, 131, 132, 133, __nv_bfloat16, "bf1
 
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __half, "f16")
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __nv_bfloat16, "bf16")
+ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B(128, 64, 64, 65, 66, __half, "f16")
+ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B(128, 64, 64, 65, 66, __nv_bfloat16, "bf16")
 
 #undef ATTN_DEFINE_WGMMA_SS
 #undef ATTN_DEFINE_WGMMA_RS
 #undef ATTN_DEFINE_WGMMA_SS_MN_MAJOR
+#undef ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B
 #undef ATTN_DEFINE_WGMMA_SS_NAMED
 #undef ATTN_WGMMA_ASM
 
