@@ -83,8 +83,8 @@ cudaError_t RunFusedBackwardKernel(const FusedBackwardParams& params,
   const FusedKernel pinned = params.kernel;
   if constexpr (HasFusedKernel(Pass::kBackward, kDType, kHeadDim, kSm90aTma)) {
     // kAuto takes it wherever it runs: on the H200 1.3-1.9x the portable kernel at head_dim 64,
-    // 1.4-1.9x at 96 (the tiles of 128, a fifth more MMA work than 96 needs) and 1.6-2.3x at 128
-    // (docs/performance.md).
+    // 1.4-1.9x at 96 (the tiles of 128, a fifth more MMA work than 96 needs), 1.6-2.3x at 128
+    // and 1.9-2.3x at 256 (docs/performance.md).
     if (pinned != FusedKernel::kPortable && aligned_inputs) {
       using Hopper = Sm90Backward<T, kHeadDim>;
       const cudaError_t err = LaunchFusedBackwardSm90<typename Hopper::Traits, Hopper::kKernel>(

@@ -178,14 +178,16 @@ constexpr int PagedKvPageTokens(int head_dim) {
   return stage > 128 ? stage : 128;
 }
 
-// ---- The Hopper backward (fused_backward_sm90_kernel.cuh) ----
+// ---- The Hopper backward (fused_backward_sm90_kernel.cuh, and at head_dim 256
+// fused_backward_sm90_wide_kernel.cuh) ----
 
 // Query rows per tile, by head_dim; the deterministic mode's counters count tiles of this many
 // rows. A CTA holds 128 keys, 64 per consumer warpgroup, whose accumulators must fit the
 // registers each consumer thread gets: dK and dV take head_dim (128 at head_dim 128), S^T and
 // dP^T rows / 2 each, dQ rows x head_dim / 512. At head_dim 64, 128 rows halve the tiles, and
 // with them the waits and barriers per product. head_dim 96 runs the tiles of 128 (128-wide
-// accumulators), so it takes 128's rows.
+// accumulators), so it takes 128's rows. At 256 a CTA holds 64 keys that both warpgroups share
+// (each takes half of the columns of dK, dV and dQ), with 64 rows a tile.
 constexpr int Sm90BackwardBlockM(int head_dim) { return head_dim <= 64 ? 128 : 64; }
 
 // Registers a thread of each role keeps after setmaxnreg: the producer warpgroup (the load
