@@ -40,13 +40,13 @@ struct FusedBackwardSm90WideTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = Sm90BackwardBlockM(kHeadDim);  // query rows per tile
-  static constexpr int kBlockN = 64;                             // keys per CTA
-  static constexpr int kStages = 2;                              // query tiles in flight
+  static constexpr int kBlockN = 64;                            // keys per CTA
+  static constexpr int kStages = 2;                             // query tiles in flight
   static constexpr int kConsumerWarpGroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // the producer warpgroup first
   static constexpr int kColumnBlocks = kHeadDim / 64;
-  static constexpr int kGroupQueries = kBlockM / kConsumerWarpGroups;  // of S^T and dP^T
+  static constexpr int kGroupQueries = kBlockM / kConsumerWarpGroups;   // of S^T and dP^T
   static constexpr int kGroupColumns = kHeadDim / kConsumerWarpGroups;  // of dK, dV and dQ
   static constexpr int kQTiles = kGroupQueries / 8;  // 8-query column tiles of S^T
   static constexpr int kDqColumns = 64;              // a dQ block (m64n64)
@@ -152,13 +152,10 @@ __device__ __forceinline__ uint32_t DqStagingOffset(int w, int stage) {
 // added, after the key blocks below this one that meet the tile) it releases the stage to the
 // producer. Rows past the sequence carry zeros, as in the kernel of 128 keys.
 template <typename Traits>
-__device__ __forceinline__ void ReduceStagedQueryGradients(const FusedBackwardTmaParams& params,
-                                                           const sm90_backward::Barriers<Traits>& bars,
-                                                           uint32_t smem,
-                                                           const SequenceView<int64_t>& seq,
-                                                           const QueryTiles& tiles,
-                                                           const sm90_backward::TileOrigin& at,
-                                                           int kv_head) {
+__device__ __forceinline__ void ReduceStagedQueryGradients(
+    const FusedBackwardTmaParams& params, const sm90_backward::Barriers<Traits>& bars,
+    uint32_t smem, const SequenceView<int64_t>& seq, const QueryTiles& tiles,
+    const sm90_backward::TileOrigin& at, int kv_head) {
   constexpr int kGroups = Traits::kConsumerWarpGroups;
   const FusedBackwardParams& p = params.p;
   const bool leader = threadIdx.x % 32 == 0;
@@ -269,7 +266,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int lane = threadIdx.x % 32;
   const int pair = (lane % 4) * 2;
   const int key_row = group_thread / 32 * 16 + lane / 4;  // in the block; + 8 for the second
-  const int own_queries = consumer * kGroupQueries;      // of the tile, for S^T and dP^T
+  const int own_queries = consumer * kGroupQueries;       // of the tile, for S^T and dP^T
   const int other_queries = other * kGroupQueries;
   // This warpgroup's columns of dK, dV and dQ: two 64-column blocks of the tiles.
   const uint32_t column_blocks = consumer * (kGroupColumns / 64) * kBlockM * 128;
@@ -399,7 +396,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     tma::NamedBarrierSync(kStageReadBarrier, kConsumerThreads);
     // The stage's Q and dO are spent: this warpgroup's dQ goes over one of them.
     unsigned char* staged = swizzled_smem + DqStagingOffset<Traits>(consumer, stage);
-    constexpr int kDqBlockBytes = (Traits::kDqColumns / Traits::kDqBoxColumns) * Traits::kDqBoxBytes;
+    constexpr int kDqBlockBytes =
+        (Traits::kDqColumns / Traits::kDqBoxColumns) * Traits::kDqBoxBytes;
     static_assert(Traits::kDqBlocks == 2, "two dQ blocks a warpgroup");
     sm90_backward::StoreStagedQueryGradient<Traits::kDqColumns>(dq, staged, p.scale);
     wgmma::Fence();
@@ -409,7 +407,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma::WaitGroup<0>();
     wgmma::FenceOperands(dq);
     // This warpgroup no longer reads dS^T: the other may store the next tile's.
-    if (t + 1 < tiles.count) tma::NamedBarrierArrive(kScoresFreeBarrier + consumer, kConsumerThreads);
+    if (t + 1 < tiles.count)
+      tma::NamedBarrierArrive(kScoresFreeBarrier + consumer, kConsumerThreads);
     sm90_backward::StoreStagedQueryGradient<Traits::kDqColumns>(dq, staged + kDqBlockBytes,
                                                                 p.scale);
     wgmma::FenceSharedForAsyncProxy();
