@@ -68,9 +68,10 @@ cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked
                                    cudaStream_t stream) {
   constexpr Sm90TmaTileShape kFull = Sm90TmaFusedTileShape(kHeadDim, /*masked=*/false);
   constexpr Sm90TmaTileShape kMasked = Sm90TmaFusedTileShape(kHeadDim, /*masked=*/true);
-  using FullTraits = FusedForwardSm90TmaTraits<Element, kHeadDim, kFull.block_n, kFull.stages>;
-  using MaskedTraits =
-      FusedForwardSm90TmaTraits<Element, kHeadDim, kMasked.block_n, kMasked.stages>;
+  using FullTraits = FusedForwardSm90TmaTraits<Element, kHeadDim, kFull.block_n, kFull.stages,
+                                               kFull.consumer_warpgroups>;
+  using MaskedTraits = FusedForwardSm90TmaTraits<Element, kHeadDim, kMasked.block_n, kMasked.stages,
+                                                 kMasked.consumer_warpgroups>;
   const int block_n = params.block_n != 0 ? params.block_n
                       : masked            ? kMasked.block_n
                                           : kFull.block_n;

@@ -3,16 +3,19 @@
 // warpgroup MMA, arranged so that the softmax runs while the tensor cores work.
 //
 // The grid is persistent (query_schedule.cuh): a CTA walks query blocks of kBlockM = 128 rows
-// of one (sequence, head) one after another, and runs three warpgroups:
-//   - a producer (warpgroup 0, 40 registers a thread after setmaxnreg, 24 at head_dim 256), one
+// (192 at head_dim 64) of one (sequence, head) one after another, and runs three warpgroups
+// (four at 64):
+//   - a producer (warpgroup 0, 40 registers a thread after setmaxnreg, 24 at head_dim 256 and
+//     32 at 64), one
 //     thread of which draws the CTA's blocks from the queue, posts them to the consumers and
 //     issues TMA copies: per block Q, and K and V tiles into kStages-deep rings of 128-byte-
 //     swizzled shared-memory stages, each stage a `full` mbarrier (bytes landed) and an `empty`
-//     one (both consumers done with it); Q has the same pair, so the next block's Q lands
+//     one (every consumer done with it); Q has the same pair, so the next block's Q lands
 //     while the consumers finish this one, and the rings run on from block to block;
-//   - two consumer warpgroups (232 registers, 240 at 256) of 64 query rows each, which take
-//     turns on the tensor cores (named barriers: a warpgroup issues its MMAs, then hands the turn
-//     over and runs its softmax while the other's MMAs execute) and within a turn issue the next
+//   - two consumer warpgroups (232 registers, 240 at 256; three of 160 at 64) of 64 query rows
+//     each, which take turns on the tensor cores in a ring (named barriers: a warpgroup issues
+//     its MMAs, then hands the turn to the next and runs its softmax while the others' MMAs
+//     execute) and within a turn issue the next
 //     tile's S = Q K^T before this tile's acc += P V, so that each warpgroup's softmax of tile j
 //     overlaps its own P V of tile j - 1 as well:
 //
@@ -51,19 +54,20 @@
 
 namespace attn::cuda {
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_,
+          int kConsumerWarpGroups_ = 2>
 struct FusedForwardSm90TmaTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumerWarpGroups = 2;
+  static constexpr int kConsumerWarpGroups = kConsumerWarpGroups_;
   static constexpr int kBlockM = 64 * kConsumerWarpGroups;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // the producer warpgroup first
   // Registers a thread of each role keeps after setmaxnreg (heuristics.h).
-  static constexpr int kProducerRegisters = Sm90TmaProducerRegisters(kHeadDim);
-  static constexpr int kConsumerRegisters = Sm90TmaConsumerRegisters(kHeadDim);
+  static constexpr int kProducerRegisters = Sm90TmaProducerRegisters(kHeadDim, kConsumerWarpGroups);
+  static constexpr int kConsumerRegisters = Sm90TmaConsumerRegisters(kHeadDim, kConsumerWarpGroups);
   // Tiles hold whole 128-byte column blocks of 64 elements. At head_dim 96 the second block is
   // half used: the copy engine zero-fills columns 96..127 (past the tensor map's head_dim), Q K^T
   // stops at column 96, and P V runs 128 wide, its last 32 accumulator columns never stored.
@@ -90,6 +94,9 @@ struct FusedForwardSm90TmaTraits {
   static_assert(kStages >= 2, "a stage loads while another is read");
   static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per CTA");
   static_assert(sizeof(Element) == 2, "16-bit storage");
+  static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3, "128 or 192 query rows");
+  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
+                "the register file");
 };
 
 // The kernel's parameter block: the plain params and the tensor maps of Q, K and V (made on the
@@ -105,6 +112,7 @@ namespace sm90_tma {
 
 // Named barrier ids (0 is __syncthreads): the tensor-core turn of each consumer warpgroup.
 inline constexpr uint32_t kTurnBarrier = 1;
+inline constexpr uint32_t kTurnThreads = 256;  // the warpgroup handing over and the one taking it
 
 // The mbarriers of the shared-memory tail (Traits::kBarrierOffset).
 template <typename Traits>
@@ -442,11 +450,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t next_turn = kTurnBarrier + (consumer + 1) % Traits::kConsumerWarpGroups;
   const float scale_log2 = p.scale * static_cast<float>(M_LOG2E);
 
-  // The turns alternate between the consumers over the whole walk (both run every block, with
-  // the same number of turns). Consumer 0 takes the first; every turn hands on to the other,
-  // and consumer 0 takes the last hand-over after the walk, so that every barrier's arrivals
-  // match its waits.
-  if (consumer == 0) tma::NamedBarrierArrive(my_turn, kConsumerThreads);
+  // The turns go round the consumers over the whole walk (each runs every block, with the same
+  // number of turns). Consumer 0 takes the first; every turn hands on to the next, and consumer
+  // 0 takes the last hand-over after the walk, so that every barrier's arrivals match its
+  // waits. A turn's barrier counts the warpgroup handing over and the one taking it; a hand-over
+  // never meets an unconsumed one, since the next comes round only after every other consumer
+  // took its turn.
+  if (consumer == 0) tma::NamedBarrierArrive(my_turn, kTurnThreads);
 
   int ring = 0;     // K/V tiles of the blocks before this one: the rings' position
   int q_loads = 0;  // Q tiles of the blocks before this one
@@ -489,11 +499,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       tma::Wait(bars.q_full(), q_loads & 1);
 
       tma::Wait(bars.k_full(StageOf<kStages>(ring)), ParityOf<kStages>(ring));
-      tma::NamedBarrierSync(my_turn, kConsumerThreads);
+      tma::NamedBarrierSync(my_turn, kTurnThreads);
       wgmma::Fence();
       IssueScores<Traits>(s_flat, q_rows, k_tiles + StageOf<kStages>(ring) * Traits::kKVTileBytes);
       wgmma::CommitGroup();
-      tma::NamedBarrierArrive(next_turn, kConsumerThreads);
+      tma::NamedBarrierArrive(next_turn, kTurnThreads);
       wgmma::WaitGroup<0>();
       wgmma::FenceOperands(s_flat);
       release(bars.k_empty(StageOf<kStages>(ring)));
@@ -506,13 +516,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int previous = StageOf<kStages>(ring + it - 1);
         tma::Wait(bars.k_full(stage), ParityOf<kStages>(ring + it));
         tma::Wait(bars.v_full(previous), ParityOf<kStages>(ring + it - 1));
-        tma::NamedBarrierSync(my_turn, kConsumerThreads);
+        tma::NamedBarrierSync(my_turn, kTurnThreads);
         wgmma::Fence();
         IssueScores<Traits>(s_flat, q_rows, k_tiles + stage * Traits::kKVTileBytes);
         wgmma::CommitGroup();
         IssueValues<Traits>(acc_flat, p_frag, v_tiles + previous * Traits::kKVTileBytes);
         wgmma::CommitGroup();
-        tma::NamedBarrierArrive(next_turn, kConsumerThreads);
+        tma::NamedBarrierArrive(next_turn, kTurnThreads);
         wgmma::WaitGroup<1>();  // S of this tile; P V of the last still running
         wgmma::FenceOperands(s_flat);
         release(bars.k_empty(stage));
@@ -528,11 +538,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       const int last = StageOf<kStages>(ring + num_tiles - 1);
       tma::Wait(bars.v_full(last), ParityOf<kStages>(ring + num_tiles - 1));
-      tma::NamedBarrierSync(my_turn, kConsumerThreads);
+      tma::NamedBarrierSync(my_turn, kTurnThreads);
       wgmma::Fence();
       IssueValues<Traits>(acc_flat, p_frag, v_tiles + last * Traits::kKVTileBytes);
       wgmma::CommitGroup();
-      tma::NamedBarrierArrive(next_turn, kConsumerThreads);
+      tma::NamedBarrierArrive(next_turn, kTurnThreads);
       wgmma::WaitGroup<0>();
       wgmma::FenceOperands(acc_flat);
       release(bars.v_empty(last));
@@ -563,7 +573,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   }
-  if (consumer == 0) tma::NamedBarrierSync(my_turn, kConsumerThreads);
+  if (consumer == 0) tma::NamedBarrierSync(my_turn, kTurnThreads);
 #endif  // ATTN_WGMMA_AVAILABLE
 }
 

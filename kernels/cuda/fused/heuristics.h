@@ -37,24 +37,30 @@ constexpr Sm90TileShape Sm90FusedTileShape(int head_dim) {
 }
 
 // The warp-specialised Hopper kernel (fused_forward_sm90_tma_kernel.cuh): one producer warp
-// feeding K/V stages by TMA, two consumer warpgroups of 64 query rows each (kBlockM = 128).
-// Every (dtype, head_dim) row of the table compiles two shapes, one for full tiles and one for
-// masked problems (causal or a window), and a benchmark may run either on any problem
-// (FusedForwardParams::block_n).
+// feeding K/V stages by TMA, two or three consumer warpgroups of 64 query rows each (kBlockM =
+// 128 or 192). Every (dtype, head_dim) row of the table compiles a shape for full tiles and one
+// for masked problems (causal or a window), the same one at 64 and 256, and a benchmark may run
+// either on any problem (FusedForwardParams::block_n).
 struct Sm90TmaTileShape {
-  int block_n;  // keys per K/V tile
-  int stages;   // K and V tiles in flight each
+  int block_n;                  // keys per K/V tile
+  int stages;                   // K and V tiles in flight each
+  int consumer_warpgroups = 2;  // of 64 query rows each
 };
 
 // Starting points from FlashAttention-3's choices on the H100 (128 x 176 at d 128, 128 x 128
-// when causal; 192 x 192 at d 64, where this kernel keeps 128 query rows) within the 227 KiB of
-// shared memory: d 128 x 176 keys x 2 stages of K and V take 176 KiB beside Q's 32.
+// when causal; 192 x 192 at d 64) within the 227 KiB of shared memory: d 128 x 176 keys x 2
+// stages of K and V take 176 KiB beside Q's 32. At head_dim 64 three consumer warpgroups (192
+// query rows) with 128 keys and 3 stages, masked or not: on the H200 (bf16 and fp16,
+// 2026-12-02) 1.10-1.24x the two-warpgroup kernel's 192 keys unmasked and, causal, 1.06-1.26x
+// its 128 keys from 2048 keys (0.88-0.94x at 512 and 1024, where kAuto runs the lockstep
+// kernel); 192 keys beside 192 rows would not fit the 160 registers a consumer thread gets
+// (96 scores, 48 packed P).
 // head_dim 96 runs the shapes of 128: its tiles are 128 columns wide in shared memory (the last
 // 32 zero-filled by the copy engine). head_dim 256 takes FlashAttention-3's 80 keys, masked or
 // not: 2 stages of K and V (160 KiB) beside Q's 64 fill 224 KiB, and the 128 accumulators plus
 // 40 scores and 20 packed P a thread fit the consumers' 240 registers. Neither is measured yet.
 constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
-  if (head_dim <= 64) return masked ? Sm90TmaTileShape{128, 3} : Sm90TmaTileShape{192, 3};
+  if (head_dim <= 64) return Sm90TmaTileShape{128, 3, 3};
   if (head_dim > 128) return Sm90TmaTileShape{80, 2};
   return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
 }
@@ -88,21 +94,29 @@ constexpr bool PagedPrefillPrefersTma(int head_dim, int page_tokens) {
 // producer walks the persistent grid's blocks (block indices, mask bounds, ring positions, the
 // queue's draws): at 24 registers ptxas spills 40-120 bytes of it (nvcc -Xptxas -v, CUDA
 // 13.0), at 40 nothing at head_dim 64, 96 and 128.
-constexpr int Sm90TmaProducerRegisters(int head_dim) { return head_dim > 128 ? 24 : 40; }
-constexpr int Sm90TmaConsumerRegisters(int head_dim) { return head_dim > 128 ? 240 : 232; }
+// With three consumer warpgroups (512 threads, head_dim 64) the split is 128 x 32 + 384 x 160
+// = 65536, neither role spilling.
+constexpr int Sm90TmaProducerRegisters(int head_dim, int consumer_warpgroups) {
+  if (consumer_warpgroups == 3) return 32;
+  return head_dim > 128 ? 24 : 40;
+}
+constexpr int Sm90TmaConsumerRegisters(int head_dim, int consumer_warpgroups) {
+  if (consumer_warpgroups == 3) return 160;
+  return head_dim > 128 ? 240 : 232;
+}
 
 // Whether the default (FusedKernel::kAuto) on Hopper is the warp-specialised kernel rather than
 // the next one (lockstep at 64 and 128, portable mma.sync at 96 and 256), by head_dim, the mean
 // keys per sequence and the mask: where it measured faster (docs/cuda-fused.md, "The
 // warp-specialised Hopper kernel"). At head_dim 128 it is 1.3-1.7x the lockstep kernel
-// everywhere. At 64, with its persistent grid (H200, 2026-12-01, 16k tokens a batch, bf16 and
-// fp16), it wins unmasked from 2048 keys (1.06-1.09x the lockstep kernel; at 1024 0.93-0.97x)
-// and causal from 4096; causal at 1024 and 2048 it measured 0.94-1.10x, no winner across the
-// dtypes, and the lockstep kernel stays. At 96 and 256 it is the only Hopper kernel: the
-// mma.sync kernel ran at 0.38-0.71x it.
+// everywhere. At 64, with three consumer warpgroups (H200, 2026-12-02, 16k tokens a batch,
+// bf16 and fp16), it wins unmasked at every length (1.05-1.15x the lockstep kernel at 512 and
+// 1024 keys, where that was the default) and causal from 2048 keys (1.12-1.16x); causal at 512
+// and 1024 it measured 0.98-1.05x, and the lockstep kernel stays. At 96 and 256 it is the only
+// Hopper kernel: the mma.sync kernel ran at 0.38-0.71x it.
 constexpr bool Sm90TmaIsDefault(int head_dim, int64_t mean_keys, bool masked) {
   return head_dim == 96 || head_dim == 128 || head_dim == 256 ||
-         (head_dim == 64 && mean_keys >= (masked ? 4096 : 2048));
+         (head_dim == 64 && (!masked || mean_keys >= 2048));
 }
 
 // ---- Paged K/V (paged_forward.h) ----
