@@ -436,6 +436,79 @@ struct RowStatistics {
   }
 };
 
+// A thread's fragment of S^T (keys x kQTiles 8-query tiles, m64nN accumulators) to P^T = exp2(S^T
+// scale log2(e) - LSE), zero where the tile needs the mask and the element is hidden, and its
+// fragment of dP^T to dS^T = P^T (dP^T - D). `lse` and `delta` point at the statistics of the
+// fragment's first query column; waits for S^T, then for dP^T, the last two MMA groups.
+template <int kQTiles>
+__device__ __forceinline__ void ScoresToGradients(float (&s)[kQTiles * 4], float (&dp)[kQTiles * 4],
+                                                  const float* lse, const float* delta, int pair,
+                                                  float scale_log2, bool masked,
+                                                  const ElementMask& mask) {
+  wgmma::WaitGroup<1>();
+  wgmma::FenceOperands(s);
+#pragma unroll
+  for (int j = 0; j < kQTiles; ++j) {
+    const float2 row_lse = *reinterpret_cast<const float2*>(lse + j * 8 + pair);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float& x = s[j * 4 + e];
+      x = ptx::Exp2(fmaf(x, scale_log2, -(e % 2 == 0 ? row_lse.x : row_lse.y)));
+      // Element (key_row + 8 (e / 2), row j 8 + pair + e % 2) of the thread's fragment.
+      if (masked && !mask.Visible((e / 2) * 8, j * 8 + e % 2)) x = 0.f;
+    }
+  }
+  wgmma::WaitGroup<0>();
+  wgmma::FenceOperands(dp);
+#pragma unroll
+  for (int j = 0; j < kQTiles; ++j) {
+    const float2 row_delta = *reinterpret_cast<const float2*>(delta + j * 8 + pair);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dp[j * 4 + e] = s[j * 4 + e] * (dp[j * 4 + e] - (e % 2 == 0 ? row_delta.x : row_delta.y));
+    }
+  }
+}
+
+// A thread's rows of dK (scaled) and dV (m64nN accumulators) to the dtype: the first kColumns
+// columns of the accumulators (head_dim 96 leaves the zero ones behind) at the rows' columns
+// from first_column, for its two key rows of the block that lie inside it.
+template <typename Element, int kColumns, int kAccumulators>
+__device__ __forceinline__ void StoreKeyGradients(const FusedBackwardTmaParams& params,
+                                                  const SequenceView<int64_t>& seq,
+                                                  const float (&dk)[kAccumulators],
+                                                  const float (&dv)[kAccumulators], int64_t k0,
+                                                  int64_t keys, int kv_head, int key_row, int pair,
+                                                  int first_column) {
+  static_assert(kColumns / 2 <= kAccumulators, "columns the accumulators hold");
+  const FusedBackwardParams& p = params.p;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = key_row + half * 8;
+    if (r >= keys) continue;
+    const int64_t token = seq.k_start + k0 + r;
+    Element* dk_row = static_cast<Element*>(p.dk) + token * p.dk_token_stride +
+                      kv_head * p.dk_head_stride + first_column;
+    Element* dv_row = static_cast<Element*>(p.dv) + token * p.dv_token_stride +
+                      kv_head * p.dv_head_stride + first_column;
+#pragma unroll
+    for (int n = 0; n < kColumns / 8; ++n) {
+      const int c = n * 8 + pair;
+      const float k_lo = dk[n * 4 + 2 * half] * p.scale, k_hi = dk[n * 4 + 2 * half + 1] * p.scale;
+      const float v_lo = dv[n * 4 + 2 * half], v_hi = dv[n * 4 + 2 * half + 1];
+      if (params.aligned_outputs) {
+        *reinterpret_cast<uint32_t*>(dk_row + c) = ptx::PackPair<Element>(k_lo, k_hi);
+        *reinterpret_cast<uint32_t*>(dv_row + c) = ptx::PackPair<Element>(v_lo, v_hi);
+      } else {
+        dk_row[c] = FromFloat<Element>(k_lo);
+        dk_row[c + 1] = FromFloat<Element>(k_hi);
+        dv_row[c] = FromFloat<Element>(v_lo);
+        dv_row[c + 1] = FromFloat<Element>(v_hi);
+      }
+    }
+  }
+}
+
 }  // namespace sm90_backward
 
 template <typename Traits>
@@ -520,32 +593,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // order after it at 128, 0.98-0.99x at 64 (bf16, two rounds each, same call).
   constexpr bool kStoreUnderLastDq = kHeadDim > 64;
   const auto store_key_gradients = [&] {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = key_row + half * 8;
-      if (r >= keys) continue;
-      const int64_t token = seq.k_start + k0 + r;
-      Element* dk_row =
-          static_cast<Element*>(p.dk) + token * p.dk_token_stride + kv_head * p.dk_head_stride;
-      Element* dv_row =
-          static_cast<Element*>(p.dv) + token * p.dv_token_stride + kv_head * p.dv_head_stride;
-#pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
-        const int c = n * 8 + pair;
-        const float k_lo = dk[n * 4 + 2 * half] * p.scale,
-                    k_hi = dk[n * 4 + 2 * half + 1] * p.scale;
-        const float v_lo = dv[n * 4 + 2 * half], v_hi = dv[n * 4 + 2 * half + 1];
-        if (params.aligned_outputs) {
-          *reinterpret_cast<uint32_t*>(dk_row + c) = ptx::PackPair<Element>(k_lo, k_hi);
-          *reinterpret_cast<uint32_t*>(dv_row + c) = ptx::PackPair<Element>(v_lo, v_hi);
-        } else {
-          dk_row[c] = FromFloat<Element>(k_lo);
-          dk_row[c + 1] = FromFloat<Element>(k_hi);
-          dv_row[c] = FromFloat<Element>(v_lo);
-          dv_row[c + 1] = FromFloat<Element>(v_hi);
-        }
-      }
-    }
+    StoreKeyGradients<Element, kHeadDim>(params, seq, dk, dv, k0, keys, kv_head, key_row, pair, 0);
   };
 
   if (tiles.count > 0) {
@@ -587,30 +635,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                         (p.window_left >= 0 && k0 < last_row + shift - p.window_left);
     const ElementMask mask(p.window_left, p.window_right, k0 + key_row, row0 + pair, seq.seqlen_q,
                            seq.seqlen_k, k0 + keys);
-    wgmma::WaitGroup<1>();
-    wgmma::FenceOperands(s);
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j) {
-      const float2 row_lse = *reinterpret_cast<const float2*>(lse + j * 8 + pair);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float& x = s[j * 4 + e];
-        x = ptx::Exp2(fmaf(x, scale_log2, -(e % 2 == 0 ? row_lse.x : row_lse.y)));
-        // Element (key_row + 8 (e / 2), row j 8 + pair + e % 2) of the thread's fragment.
-        if (masked && !mask.Visible((e / 2) * 8, j * 8 + e % 2)) x = 0.f;
-      }
-    }
-    // dS^T = P^T (dP^T - D).
-    wgmma::WaitGroup<0>();
-    wgmma::FenceOperands(dp);
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j) {
-      const float2 row_delta = *reinterpret_cast<const float2*>(delta + j * 8 + pair);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dp[j * 4 + e] = s[j * 4 + e] * (dp[j * 4 + e] - (e % 2 == 0 ? row_delta.x : row_delta.y));
-      }
-    }
+    ScoresToGradients<kQTiles>(s, dp, lse, delta, pair, scale_log2, masked, mask);
     uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
     PackFragments<Element, kQTiles>(s, p_frag);
     PackFragments<Element, kQTiles>(dp, ds_frag);

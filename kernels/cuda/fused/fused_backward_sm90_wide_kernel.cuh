@@ -318,29 +318,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                         (p.window_left >= 0 && k0 < last_row + shift - p.window_left);
     const ElementMask mask(p.window_left, p.window_right, k0 + key_row, row0 + own_queries + pair,
                            seq.seqlen_q, seq.seqlen_k, k0 + keys);
-    wgmma::WaitGroup<1>();
-    wgmma::FenceOperands(s);
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j) {
-      const float2 row_lse = *reinterpret_cast<const float2*>(lse + j * 8 + pair);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float& x = s[j * 4 + e];
-        x = ptx::Exp2(fmaf(x, scale_log2, -(e % 2 == 0 ? row_lse.x : row_lse.y)));
-        if (masked && !mask.Visible((e / 2) * 8, j * 8 + e % 2)) x = 0.f;
-      }
-    }
-    // dS^T = P^T (dP^T - D).
-    wgmma::WaitGroup<0>();
-    wgmma::FenceOperands(dp);
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j) {
-      const float2 row_delta = *reinterpret_cast<const float2*>(delta + j * 8 + pair);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dp[j * 4 + e] = s[j * 4 + e] * (dp[j * 4 + e] - (e % 2 == 0 ? row_delta.x : row_delta.y));
-      }
-    }
+    sm90_backward::ScoresToGradients<kQTiles>(s, dp, lse, delta, pair, scale_log2, masked, mask);
     uint32_t p_frag[kGroupQueries / 16][4], ds_frag[kGroupQueries / 16][4];
     sm90_backward::PackFragments<Element, kQTiles>(s, p_frag);
     sm90_backward::PackFragments<Element, kQTiles>(dp, ds_frag);
@@ -416,31 +394,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // dK (scaled) and dV of the block's keys, this warpgroup's columns, to the dtype.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = key_row + half * 8;
-    if (r >= keys) continue;
-    const int64_t token = seq.k_start + k0 + r;
-    Element* dk_row = static_cast<Element*>(p.dk) + token * p.dk_token_stride +
-                      kv_head * p.dk_head_stride + consumer * kGroupColumns;
-    Element* dv_row = static_cast<Element*>(p.dv) + token * p.dv_token_stride +
-                      kv_head * p.dv_head_stride + consumer * kGroupColumns;
-#pragma unroll
-    for (int n = 0; n < kGroupColumns / 8; ++n) {
-      const int c = n * 8 + pair;
-      const float k_lo = dk[n * 4 + 2 * half] * p.scale, k_hi = dk[n * 4 + 2 * half + 1] * p.scale;
-      const float v_lo = dv[n * 4 + 2 * half], v_hi = dv[n * 4 + 2 * half + 1];
-      if (params.aligned_outputs) {
-        *reinterpret_cast<uint32_t*>(dk_row + c) = ptx::PackPair<Element>(k_lo, k_hi);
-        *reinterpret_cast<uint32_t*>(dv_row + c) = ptx::PackPair<Element>(v_lo, v_hi);
-      } else {
-        dk_row[c] = FromFloat<Element>(k_lo);
-        dk_row[c + 1] = FromFloat<Element>(k_hi);
-        dv_row[c] = FromFloat<Element>(v_lo);
-        dv_row[c + 1] = FromFloat<Element>(v_hi);
-      }
-    }
-  }
+  sm90_backward::StoreKeyGradients<Element, kGroupColumns>(params, seq, dk, dv, k0, keys, kv_head,
+                                                           key_row, pair, consumer * kGroupColumns);
 #endif  // ATTN_WGMMA_AVAILABLE
 }
 
