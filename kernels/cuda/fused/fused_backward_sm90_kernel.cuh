@@ -144,6 +144,17 @@ struct Barriers {
   __device__ __forceinline__ uint32_t empty(int stage) const {
     return base + 8 * (1 + Traits::kStages + stage);
   }
+  // By one thread, before the CTA's first __syncthreads: a stage is released by
+  // `empty_arrivals` arrivals.
+  __device__ __forceinline__ void Init(uint32_t empty_arrivals) const {
+    tma::InitBarrier(kv_full(), 1);
+#pragma unroll
+    for (int stage = 0; stage < Traits::kStages; ++stage) {
+      tma::InitBarrier(full(stage), 1);
+      tma::InitBarrier(empty(stage), empty_arrivals);
+    }
+    tma::FenceBarrierInit();
+  }
 };
 
 // The stage and phase parity of the t-th tile of the ring.
@@ -229,6 +240,12 @@ __device__ __forceinline__ void PackFragments(const float (&x)[kTiles * 4],
 // sequence's first token.
 struct TileOrigin {
   int q_row, k_row, sequence;
+
+  __device__ static TileOrigin Of(const FusedBackwardParams& p, const SequenceView<int64_t>& seq) {
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    return {varlen ? static_cast<int>(seq.q_start) : 0, varlen ? static_cast<int>(seq.k_start) : 0,
+            varlen ? 0 : static_cast<int>(blockIdx.z)};
+  }
 };
 
 // The producer thread: K and V once, then each query tile's Q and dO into the next stage once
@@ -540,25 +557,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   unsigned char* dq_staged = swizzled_smem + Traits::kDqOffset;
   const Barriers<Traits> bars{smem + Traits::kBarrierOffset};
 
-  if (threadIdx.x == 0) {
-    tma::InitBarrier(bars.kv_full(), 1);
-#pragma unroll
-    for (int stage = 0; stage < kStages; ++stage) {
-      tma::InitBarrier(bars.full(stage), 1);
-      tma::InitBarrier(bars.empty(stage), kConsumerThreads / 32);  // one per consumer warp
-    }
-    tma::FenceBarrierInit();
-  }
+  if (threadIdx.x == 0) bars.Init(kConsumerThreads / 32);  // a stage: one per consumer warp
   __syncthreads();
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
     tma::ReleaseRegisters<kSm90BackwardProducerRegisters>();
     if (tiles.count > 0) {
-      const bool varlen = p.cu_seqlens_q != nullptr;
-      const TileOrigin at{varlen ? static_cast<int>(seq.q_start) : 0,
-                          varlen ? static_cast<int>(seq.k_start) : 0,
-                          varlen ? 0 : static_cast<int>(blockIdx.z)};
+      const TileOrigin at = TileOrigin::Of(p, seq);
       if (threadIdx.x == 0) {
         ProduceTiles<Traits>(params, bars, smem, tiles, at, k0, kv_head);
       } else if (threadIdx.x / 32 == 1) {

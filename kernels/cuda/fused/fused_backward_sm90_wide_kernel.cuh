@@ -231,25 +231,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t smem = ptx::SharedAddress(swizzled_smem);
   const Barriers<Traits> bars{smem + Traits::kBarrierOffset};
 
-  if (threadIdx.x == 0) {
-    tma::InitBarrier(bars.kv_full(), 1);
-#pragma unroll
-    for (int stage = 0; stage < kStages; ++stage) {
-      tma::InitBarrier(bars.full(stage), 1);
-      tma::InitBarrier(bars.empty(stage), 1);  // the dQ warp, once the stage's dQ is read out
-    }
-    tma::FenceBarrierInit();
-  }
+  if (threadIdx.x == 0) bars.Init(1);  // a stage: the dQ warp, once the stage's dQ is read out
   __syncthreads();
 
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
     tma::ReleaseRegisters<kSm90BackwardProducerRegisters>();
     if (tiles.count > 0) {
-      const bool varlen = p.cu_seqlens_q != nullptr;
-      const sm90_backward::TileOrigin at{varlen ? static_cast<int>(seq.q_start) : 0,
-                                         varlen ? static_cast<int>(seq.k_start) : 0,
-                                         varlen ? 0 : static_cast<int>(blockIdx.z)};
+      const sm90_backward::TileOrigin at = sm90_backward::TileOrigin::Of(p, seq);
       if (threadIdx.x == 0) {
         sm90_backward::ProduceTiles<Traits>(params, bars, smem, tiles, at, k0, kv_head);
       } else if (threadIdx.x / 32 == 1) {
