@@ -17,14 +17,21 @@
 // forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two);
 // with --deterministic=1 it asks for deterministic mode (BackwardArgs::deterministic) and names
 // the engine <engine>_det.
+// --fp8=1 also times the FP8 forward (cuda/fused/fp8_forward.h; head_dim 128, forward only):
+// `fused_fp8` on inputs quantized beforehand, `fused_fp8_quantizing` with PrepareFp8Forward's
+// quantization of the 16-bit inputs in each call, and both report O's error against the fused
+// engine's 16-bit output on the same inputs (rms_error: RMS of the difference over RMS of O;
+// max_error: the largest difference).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -34,6 +41,7 @@
 #include "cuda/common/cuda_status.h"
 #include "cuda/common/device_buffer.h"
 #include "cuda/cuda_engines.h"
+#include "cuda/fused/fp8_forward.h"
 #include "cuda/fused/fused_forward.h"
 #include "fill_random.h"
 
@@ -56,6 +64,7 @@ struct Flags {
   double workspace_limit_gb = 8;
   bool backward = false;
   bool deterministic = false;
+  bool fp8 = false;
   bool json = false;
 };
 
@@ -176,6 +185,9 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
         return absl::InvalidArgumentError("--deterministic must be 0 or 1");
       }
       f.deterministic = value == "1";
+    } else if (name == "fp8") {
+      if (value != "0" && value != "1") return absl::InvalidArgumentError("--fp8 must be 0 or 1");
+      f.fp8 = value == "1";
     } else if (name == "workspace_limit_gb") {
       ATTN_ASSIGN_OR_RETURN(f.workspace_limit_gb, ParseDouble(value));
     } else {
@@ -217,6 +229,7 @@ struct Row {
   double ms = 0, tflops = 0;
   int64_t workspace_bytes = -1;  // device memory the engine added (pool, cuBLAS), after the run
   int repeats = 0;
+  double rms_error = -1, max_error = -1;  // --fp8 rows: against the 16-bit output
   std::string status = "ok";
 };
 
@@ -357,6 +370,160 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, D
   return absl::OkStatus();
 }
 
+// Median ms of `repeats` calls of call(i), after warm-up; the first call's failure is returned.
+template <typename Call>
+absl::StatusOr<double> MedianMs(const Flags& f, cudaStream_t stream, Call call, int* repeats_out) {
+  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
+  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
+  ATTN_RETURN_IF_ERROR(call(0));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  float first_ms = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&first_ms, start.get(), stop.get()));
+  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
+  for (int i = 0; i < warmups; ++i) ATTN_RETURN_IF_ERROR(call(i));
+  const int repeats =
+      std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
+  std::vector<cuda::CudaEvent> events;
+  for (int i = 0; i < 2 * repeats; ++i) {
+    ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
+    events.push_back(std::move(e));
+  }
+  for (int i = 0; i < repeats; ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
+    ATTN_RETURN_IF_ERROR(call(i + 1));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  std::vector<float> times(repeats);
+  for (int i = 0; i < repeats; ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&times[i], events[2 * i].get(), events[2 * i + 1].get()));
+  }
+  *repeats_out = repeats;
+  return Median(times);
+}
+
+// O of `elements` in `dtype` (bf16 or fp16) on the device, as floats.
+absl::StatusOr<std::vector<float>> DownloadOutput(const void* o, int64_t elements, DType dtype) {
+  std::vector<uint16_t> bits(elements);
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), o, elements * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> values(elements);
+  for (int64_t i = 0; i < elements; ++i) {
+    values[i] = dtype == DType::kBF16 ? BF16ToFloat(bits[i]) : HalfToFloat(bits[i]);
+  }
+  return values;
+}
+
+// The --fp8 rows of one grid point: the FP8 forward on quantized copies of every input set
+// (fused_fp8) and with the quantization in each call (fused_fp8_quantizing), and their error
+// against the fused engine's output on set 0.
+absl::Status TimeFp8(const Flags& f, Buffers& buf, DType dtype, int d, bool causal, int n,
+                     std::vector<Row>& rows) {
+  const int heads = f.head_width / d;
+  const int batch = static_cast<int>(f.tokens / n);
+  const double flops = 4.0 * batch * heads * double(n) * n * d * (causal ? 0.5 : 1.0);
+  Row kernel_row{"fused_fp8", dtype, d, causal, n, batch, heads};
+  Row quantizing_row{"fused_fp8_quantizing", dtype, d, causal, n, batch, heads};
+  const auto fail = [&](const absl::Status& s) {
+    kernel_row.status = quantizing_row.status = s.ToString();
+    rows = {kernel_row, quantizing_row};
+    return absl::OkStatus();
+  };
+  if (d != 128) return fail(absl::UnimplementedError("the FP8 forward covers head_dim 128"));
+  cudaStream_t stream = nullptr;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ATTN_ASSIGN_OR_RETURN(cuda::DeviceBuffer counters, cuda::DeviceBuffer::Allocate(2 * sizeof(int)));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMemset(counters.get(), 0, 2 * sizeof(int)));
+  const auto params = [&](size_t set) {
+    cuda::FusedForwardParams p;
+    p.q = buf.q[set].get();
+    p.k = buf.k[set].get();
+    p.v = buf.v[set].get();
+    p.o = buf.o.get();
+    p.lse = buf.lse.as<float>();
+    p.q_token_stride = p.k_token_stride = p.v_token_stride = p.o_token_stride = int64_t{heads} * d;
+    p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+    p.total_q = p.total_k = int64_t{batch} * n;
+    p.seqlen_q = p.seqlen_k = p.max_seqlen_q = n;
+    p.batch = batch;
+    p.num_heads = p.num_kv_heads = heads;
+    p.head_dim = d;
+    p.scale = 1.f / std::sqrt(static_cast<float>(d));
+    p.window_right = causal ? 0 : -1;
+    p.dtype = dtype;
+    p.tile_counters = counters.as<int>();
+    return p;
+  };
+  const size_t sets = buf.q.size();
+  const int64_t workspace_bytes = cuda::Fp8ForwardWorkspaceBytes(params(0));
+  std::vector<cuda::DeviceBuffer> workspaces;
+  std::vector<cuda::Fp8ForwardParams> prepared(sets);
+  for (size_t set = 0; set < sets; ++set) {
+    ATTN_ASSIGN_OR_RETURN(cuda::DeviceBuffer w, cuda::DeviceBuffer::Allocate(workspace_bytes));
+    ATTN_RETURN_IF_ERROR(
+        cuda::PrepareFp8Forward(params(set), w.get(), workspace_bytes, &prepared[set], stream));
+    workspaces.push_back(std::move(w));
+  }
+  // The error on set 0: the fused engine's 16-bit O, then the FP8 forward's.
+  const int64_t elements = int64_t{batch} * n * heads * d;
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                        CreateEngine(EngineKind::kCudaFused, EngineOptions{}));
+  ForwardArgs a;
+  a.q = Packed<const void*>(buf.q[0].get(), heads, d);
+  a.k = Packed<const void*>(buf.k[0].get(), heads, d);
+  a.v = Packed<const void*>(buf.v[0].get(), heads, d);
+  a.o = Packed<void*>(buf.o.get(), heads, d);
+  a.lse = buf.lse.as<float>();
+  a.stream = stream;
+  ATTN_RETURN_IF_ERROR(
+      engine->Forward(DenseProblem(dtype, batch, n, n, heads, heads, d, causal), a));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  ATTN_ASSIGN_OR_RETURN(std::vector<float> o16, DownloadOutput(buf.o.get(), elements, dtype));
+  if (const absl::Status s = cuda::LaunchFp8Forward(prepared[0], stream); !s.ok()) {
+    cudaStreamDestroy(stream);
+    return fail(s);
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  ATTN_ASSIGN_OR_RETURN(std::vector<float> o8, DownloadOutput(buf.o.get(), elements, DType::kBF16));
+  double diff2 = 0, ref2 = 0, max_diff = 0;
+  for (int64_t i = 0; i < elements; ++i) {
+    const double diff = double(o8[i]) - o16[i];
+    diff2 += diff * diff;
+    ref2 += double(o16[i]) * o16[i];
+    max_diff = std::max(max_diff, std::abs(diff));
+  }
+  kernel_row.rms_error = quantizing_row.rms_error = std::sqrt(diff2 / std::max(ref2, 1e-30));
+  kernel_row.max_error = quantizing_row.max_error = max_diff;
+
+  std::vector<cuda::Fp8ForwardParams> scratch(sets);
+  const auto run_prepared = [&](int i) {
+    return cuda::LaunchFp8Forward(prepared[i % sets], stream);
+  };
+  const auto run_quantizing = [&](int i) {
+    const size_t set = i % sets;
+    ATTN_RETURN_IF_ERROR(cuda::PrepareFp8Forward(params(set), workspaces[set].get(),
+                                                 workspace_bytes, &scratch[set], stream));
+    return cuda::LaunchFp8Forward(scratch[set], stream);
+  };
+  const auto time = [&](Row& row, const auto& call) {
+    const absl::StatusOr<double> ms = MedianMs(f, stream, call, &row.repeats);
+    if (!ms.ok()) {
+      row.status = ms.status().ToString();
+      return;
+    }
+    row.ms = *ms;
+    row.tflops = flops / (row.ms * 1e-3) / 1e12;
+    row.workspace_bytes = workspace_bytes;
+  };
+  time(kernel_row, run_prepared);
+  time(quantizing_row, run_quantizing);
+  cudaStreamDestroy(stream);
+  rows = {kernel_row, quantizing_row};
+  return absl::OkStatus();
+}
+
 std::string JsonEscape(const std::string& s) {
   std::string out;
   for (char c : s) {
@@ -371,14 +538,21 @@ void Print(const Flags& f, const Row& r) {
     std::printf(
         "{\"bench\":\"attn_kernel_bench\",\"pass\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\","
         "\"d\":%d,\"causal\":%s,\"N\":%d,\"batch\":%d,\"heads\":%d,\"ms\":%.5f,\"tflops\":%.3f,"
-        "\"repeats\":%d,\"workspace_bytes\":%lld,\"status\":\"%s\"}\n",
+        "\"repeats\":%d,\"workspace_bytes\":%lld,%s\"status\":\"%s\"}\n",
         f.backward ? "bwd" : "fwd", r.engine.c_str(), ShortDType(r.dtype), r.d,
         r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats,
-        static_cast<long long>(r.workspace_bytes), JsonEscape(r.status).c_str());
+        static_cast<long long>(r.workspace_bytes),
+        r.rms_error < 0
+            ? ""
+            : absl::StrCat("\"rms_error\":", r.rms_error, ",\"max_error\":", r.max_error, ",")
+                  .c_str(),
+        JsonEscape(r.status).c_str());
   } else if (r.status == "ok") {
-    std::printf("%-22s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f\n", r.engine.c_str(),
+    std::printf("%-22s %-5s %4d %-6s %6d %6d %6d %10.4f %9.1f %12.1f", r.engine.c_str(),
                 ShortDType(r.dtype), r.d, r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.ms,
                 r.tflops, r.workspace_bytes / 1048576.0);
+    if (r.rms_error >= 0) std::printf("  rms error %.2e, max %.2e", r.rms_error, r.max_error);
+    std::printf("\n");
   } else {
     std::printf("%-22s %-5s %4d %-6s %6d %6d %6d   %s\n", r.engine.c_str(), ShortDType(r.dtype),
                 r.d, r.causal ? "yes" : "no", r.n, r.batch, r.heads, r.status.c_str());
@@ -459,6 +633,11 @@ absl::Status Run(const Flags& f) {
               ATTN_RETURN_IF_ERROR(TimeOne(f, buf, choice, dtype, d, causal != 0, n, row));
               Print(f, row);
             }
+          }
+          if (f.fp8 && !f.backward) {
+            std::vector<Row> rows;
+            ATTN_RETURN_IF_ERROR(TimeFp8(f, buf, dtype, d, causal != 0, n, rows));
+            for (const Row& row : rows) Print(f, row);
           }
         }
       }

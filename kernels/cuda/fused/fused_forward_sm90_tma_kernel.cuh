@@ -30,6 +30,9 @@
 // the first (BlockMask), as in the other kernels. O = acc / l goes from registers to device
 // memory; LSE = m * scale + log(l).
 //
+// The same kernel runs the FP8 forward (fp8_forward.cu): e4m3 tiles (Element of one byte), both
+// products on e4m3 instructions, V transposed in global memory, O in bf16.
+//
 // The producer is the only code that knows where K and V rows live. It asks a K/V source (the
 // kernel's second template parameter) to fill a stage with the keys of a tile: DenseKvTiles
 // here copies one box per column block from the K and V tensor maps; the paged source
@@ -38,9 +41,11 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/fused/block_mask.cuh"
 #include "cuda/fused/fused_forward.h"
@@ -68,15 +73,29 @@ struct FusedForwardSm90TmaTraits {
   // Registers a thread of each role keeps after setmaxnreg (heuristics.h).
   static constexpr int kProducerRegisters = Sm90TmaProducerRegisters(kHeadDim, kConsumerWarpGroups);
   static constexpr int kConsumerRegisters = Sm90TmaConsumerRegisters(kHeadDim, kConsumerWarpGroups);
-  // Tiles hold whole 128-byte column blocks of 64 elements. At head_dim 96 the second block is
-  // half used: the copy engine zero-fills columns 96..127 (past the tensor map's head_dim), Q K^T
-  // stops at column 96, and P V runs 128 wide, its last 32 accumulator columns never stored.
-  static constexpr int kColumnBlocks = (kHeadDim + 63) / 64;
-  static constexpr int kTileColumns = 64 * kColumnBlocks;  // of Q, K, V in shared memory, and acc
-  static constexpr int kNTiles = kBlockN / 8;              // 8-key column tiles of S
-  static constexpr int kDTiles = kTileColumns / 8;         // 8-column tiles of acc
-  static constexpr int kQTileBytes = kBlockM * kTileColumns * 2;
-  static constexpr int kKVTileBytes = kBlockN * kTileColumns * 2;
+  // 16-bit elements, or e4m3 bytes: the FP8 forward (fp8_forward.cu), whose V arrives
+  // transposed (its tiles are head_dim rows of kBlockN keys) and whose O is bf16.
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  using OutputElement = std::conditional_t<kFp8, __nv_bfloat16, Element>;
+  // Tiles hold whole 128-byte column blocks (64 16-bit elements, 128 bytes). At head_dim 96 the
+  // second block is half used: the copy engine zero-fills columns 96..127 (past the tensor
+  // map's head_dim), Q K^T stops at column 96, and P V runs 128 wide, its last 32 accumulator
+  // columns never stored.
+  static constexpr int kBlockColumns = 128 / static_cast<int>(sizeof(Element));
+  static constexpr int kColumnBlocks = (kHeadDim + kBlockColumns - 1) / kBlockColumns;
+  static constexpr int kTileColumns = kBlockColumns * kColumnBlocks;  // of Q, K, V, and acc
+  static constexpr int kNTiles = kBlockN / 8;                         // 8-key column tiles of S
+  static constexpr int kDTiles = kTileColumns / 8;                    // 8-column tiles of acc
+  static constexpr int kQTileBytes = kBlockM * kColumnBlocks * 128;
+  static constexpr int kKVTileBytes = kBlockN * kColumnBlocks * 128;
+  // Q K^T steps through 32 bytes of the rows at a time (k16 of 16-bit, k32 of e4m3), P V
+  // through kPSteps register fragments of P, 16 keys each (32 for e4m3).
+  static constexpr int kScoreSteps = kHeadDim * static_cast<int>(sizeof(Element)) / 32;
+  static constexpr int kPSteps = kBlockN * static_cast<int>(sizeof(Element)) / 32;
+  // e4m3 keeps P = exp(s - m) * 2^8, which spends its range better (P in (0, 256] rather than
+  // (0, 1]: fewer of the small probabilities fall below its 2^-9); l carries the same factor,
+  // so O = acc / l does not see it, and the LSE takes it out.
+  static constexpr int kProbabilityLog2Scale = kFp8 ? 8 : 0;
   // Q, the K stages, the V stages, each tile and column block 1024-byte aligned as the 128-byte
   // swizzle requires; then the mbarriers: Q full, per stage K full, K empty, V full, V empty,
   // Q empty, and the two block slots' full and empty; then the two slots.
@@ -93,7 +112,9 @@ struct FusedForwardSm90TmaTraits {
   static_assert(kBlockN * 128 % 1024 == 0, "every column block starts 1024-byte aligned");
   static_assert(kStages >= 2, "a stage loads while another is read");
   static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per CTA");
-  static_assert(sizeof(Element) == 2, "16-bit storage");
+  static_assert(sizeof(Element) == 2 || (kFp8 && kHeadDim == 128 && kBlockN == 128),
+                "16-bit storage, or e4m3 at head_dim 128 with 128-key tiles (a V^T tile is then "
+                "one column block of 128 rows, the size of a K tile)");
   static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3, "128 or 192 query rows");
   static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
                 "the register file");
@@ -194,14 +215,13 @@ __device__ __forceinline__ void ScoreMma(float (&s)[kBlockN / 2], uint64_t desc_
   }
 }
 
-// Queues S = Q K^T for the warpgroup's 64 rows (q_rows) against one K stage: head_dim / 16
-// k-steps of 32 bytes inside the 128-byte swizzled rows (at 96, none over the zero-filled
-// columns).
+// Queues S = Q K^T for the warpgroup's 64 rows (q_rows) against one K stage: k-steps of 32
+// bytes inside the 128-byte swizzled rows (at 96, none over the zero-filled columns).
 template <typename Traits>
 __device__ __forceinline__ void IssueScores(float (&s)[Traits::kBlockN / 2], uint32_t q_rows,
                                             uint32_t k_tile) {
 #pragma unroll
-  for (int ks = 0; ks < Traits::kHeadDim / 16; ++ks) {
+  for (int ks = 0; ks < Traits::kScoreSteps; ++ks) {
     const uint32_t column = (ks % 4) * 32;
     const uint64_t desc_q =
         wgmma::MakeDescriptor(q_rows + (ks / 4) * Traits::kBlockM * 128 + column, 0);
@@ -211,35 +231,62 @@ __device__ __forceinline__ void IssueScores(float (&s)[Traits::kBlockN / 2], uin
   }
 }
 
-// Queues acc += P V against one V stage, P from registers and V read MN-major.
+// Queues acc += P V against one V stage, P from registers and V read MN-major; e4m3 reads the
+// transposed V K-major, 32 keys (bytes of its rows) a step.
 template <typename Traits>
 __device__ __forceinline__ void IssueValues(float (&acc)[Traits::kTileColumns / 2],
-                                            const uint32_t (&p)[Traits::kBlockN / 16][4],
+                                            const uint32_t (&p)[Traits::kPSteps][4],
                                             uint32_t v_tile) {
+  if constexpr (Traits::kFp8) {
 #pragma unroll
-  for (int ps = 0; ps < Traits::kBlockN / 16; ++ps) {
-    const uint64_t desc_v = wgmma::MakeDescriptor(v_tile + ps * 16 * 128, Traits::kBlockN * 128);
-    if constexpr (Traits::kTileColumns == 256) {
-      wgmma::MmaRS_256(acc, p[ps], desc_v, typename Traits::Element{});
-    } else if constexpr (Traits::kTileColumns == 128) {
-      wgmma::MmaRS_128(acc, p[ps], desc_v, typename Traits::Element{});
-    } else {
-      wgmma::MmaRS_64(acc, p[ps], desc_v, typename Traits::Element{});
+    for (int ps = 0; ps < Traits::kPSteps; ++ps) {
+      wgmma::MmaRS_128(acc, p[ps], wgmma::MakeDescriptor(v_tile + ps * 32, 0),
+                       typename Traits::Element{});
+    }
+  } else {
+#pragma unroll
+    for (int ps = 0; ps < Traits::kPSteps; ++ps) {
+      const uint64_t desc_v = wgmma::MakeDescriptor(v_tile + ps * 16 * 128, Traits::kBlockN * 128);
+      if constexpr (Traits::kTileColumns == 256) {
+        wgmma::MmaRS_256(acc, p[ps], desc_v, typename Traits::Element{});
+      } else if constexpr (Traits::kTileColumns == 128) {
+        wgmma::MmaRS_128(acc, p[ps], desc_v, typename Traits::Element{});
+      } else {
+        wgmma::MmaRS_64(acc, p[ps], desc_v, typename Traits::Element{});
+      }
     }
   }
 }
 
 // P (fp32, in the score registers) to the 16-bit A fragments of P V.
+//
+// e4m3: an A fragment register holds four consecutive k of a row where a score tile gives a
+// thread two, so each register takes the pairs of two score tiles as they lie, and P's k order
+// within every 16 keys is the permutation Fp8ValueSlotKey (fp8_forward.h) of the key order. The
+// transposed V is stored in the same order, so that P V sums the right products without a
+// shuffle.
 template <typename Traits>
 __device__ __forceinline__ void PackProbabilities(const float (&s)[Traits::kNTiles][4],
-                                                  uint32_t (&p)[Traits::kBlockN / 16][4]) {
+                                                  uint32_t (&p)[Traits::kPSteps][4]) {
   using Element = typename Traits::Element;
+  if constexpr (Traits::kFp8) {
 #pragma unroll
-  for (int ps = 0; ps < Traits::kBlockN / 16; ++ps) {
-    p[ps][0] = ptx::PackPair<Element>(s[2 * ps][0], s[2 * ps][1]);
-    p[ps][1] = ptx::PackPair<Element>(s[2 * ps][2], s[2 * ps][3]);
-    p[ps][2] = ptx::PackPair<Element>(s[2 * ps + 1][0], s[2 * ps + 1][1]);
-    p[ps][3] = ptx::PackPair<Element>(s[2 * ps + 1][2], s[2 * ps + 1][3]);
+    for (int ps = 0; ps < Traits::kPSteps; ++ps) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = 4 * ps + 2 * half;  // the first of the score tiles of registers 2 half, +1
+        p[ps][2 * half] = ptx::PackE4m3Quad(s[t][0], s[t][1], s[t + 1][0], s[t + 1][1]);
+        p[ps][2 * half + 1] = ptx::PackE4m3Quad(s[t][2], s[t][3], s[t + 1][2], s[t + 1][3]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int ps = 0; ps < Traits::kPSteps; ++ps) {
+      p[ps][0] = ptx::PackPair<Element>(s[2 * ps][0], s[2 * ps][1]);
+      p[ps][1] = ptx::PackPair<Element>(s[2 * ps][2], s[2 * ps][3]);
+      p[ps][2] = ptx::PackPair<Element>(s[2 * ps + 1][0], s[2 * ps + 1][1]);
+      p[ps][3] = ptx::PackPair<Element>(s[2 * ps + 1][2], s[2 * ps + 1][3]);
+    }
   }
 }
 
@@ -293,8 +340,8 @@ struct DenseKvTiles {
     tma::ArriveExpectBytes(full, Traits::kKVTileBytes);
 #pragma unroll
     for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-      tma::Load4d(tile + cb * Traits::kBlockN * 128, map, full, cb * 64, k_row + key0, kv_head,
-                  q.sequence);
+      tma::Load4d(tile + cb * Traits::kBlockN * 128, map, full, cb * Traits::kBlockColumns,
+                  k_row + key0, kv_head, q.sequence);
     }
   }
 };
@@ -360,8 +407,8 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
         tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-          tma::Load4d(q_tile + cb * kBlockM * 128, &params.q_map, bars.q_full(), cb * 64,
-                      source.q.row, source.q.head, source.q.sequence);
+          tma::Load4d(q_tile + cb * kBlockM * 128, &params.q_map, bars.q_full(),
+                      cb * Traits::kBlockColumns, source.q.row, source.q.head, source.q.sequence);
         }
       }
       for (int it = 1; it < num_tiles; ++it) {
@@ -384,7 +431,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     FusedForwardSm90TmaKernel(const __grid_constant__ typename Source::Params params) {
 #ifdef ATTN_WGMMA_AVAILABLE
   using namespace sm90_tma;
-  using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -448,7 +494,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   const uint32_t my_turn = kTurnBarrier + consumer;
   const uint32_t next_turn = kTurnBarrier + (consumer + 1) % Traits::kConsumerWarpGroups;
-  const float scale_log2 = p.scale * static_cast<float>(M_LOG2E);
+  // The softmax scale of the raw products; e4m3 inputs are stored scaled (real = stored x
+  // descale, a float each for Q, K, V: Source::Descales).
+  float score_scale = p.scale;
+  float value_scale = 1.f;
+  if constexpr (Traits::kFp8) {
+    const float* descale = Source::Descales(params);
+    score_scale *= descale[0] * descale[1];
+    value_scale = descale[2];
+  }
+  const float scale_log2 = score_scale * static_cast<float>(M_LOG2E);
 
   // The turns go round the consumers over the whole walk (each runs every block, with the same
   // number of turns). Consumer 0 takes the first; every turn hands on to the next, and consumer
@@ -482,7 +537,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto& acc_flat = reinterpret_cast<float(&)[Traits::kTileColumns / 2]>(acc[0]);
     float s[1][kNTiles][4];
     auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
-    uint32_t p_frag[kBlockN / 16][4];
+    uint32_t p_frag[Traits::kPSteps][4];
     float alpha[2];
     OnlineSoftmax<1, kNTiles, kDTiles> softmax;
     softmax.Init();
@@ -492,7 +547,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int key0 = (n_block_last - it) * kBlockN;
       if (mask.TileNeedsMask(key0))
         mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
-      softmax.UpdateStatistics(s, scale_log2, alpha);
+      softmax.template UpdateStatistics<Traits::kProbabilityLog2Scale>(s, scale_log2, alpha);
     };
 
     if (num_tiles > 0) {
@@ -554,22 +609,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // sequence and head_dim columns of each: a quad writes 16 contiguous bytes of a row, which
     // the L2 merges with its neighbours'. Staging through shared memory would hold Q's buffer
     // past the block's last Q K^T, and the next block's Q load behind this epilogue.
+    using Output = typename Traits::OutputElement;
     float* lse = block.lse(p);
-    Element* o = static_cast<Element*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
-                 block.head * p.o_head_stride;
+    Output* o = static_cast<Output*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
+                block.head * p.o_head_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float l = QuadSum(softmax.l[half]);
-      const float inv_l = InverseRowSum(l);
+      float l = QuadSum(softmax.l[half]);
+      float inv_l = InverseRowSum(l);
+      if constexpr (Traits::kFp8) {
+        inv_l *= value_scale;
+        l *= 1.f / (1 << Traits::kProbabilityLog2Scale);  // exact: a power of two
+      }
       const int row = local_row + half * 8;
       if (row < rows_in_block) {
-        Element* o_row = o + row * p.o_token_stride + quad_col * 2;
+        Output* o_row = o + row * p.o_token_stride + quad_col * 2;
 #pragma unroll
         for (int dj = 0; dj < kHeadDim / 8; ++dj) {
-          *reinterpret_cast<uint32_t*>(o_row + dj * 8) = ptx::PackPair<Element>(
-              acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
+          *reinterpret_cast<uint32_t*>(o_row + dj * 8) =
+              ptx::PackPair<Output>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
         }
-        if (lse != nullptr && quad_col == 0) lse[row] = RowLse(softmax.m[half], l, p.scale);
+        if (lse != nullptr && quad_col == 0) {
+          // 16-bit: p.scale re-read from parameter space rather than kept live in a register.
+          lse[row] = RowLse(softmax.m[half], l, Traits::kFp8 ? score_scale : p.scale);
+        }
       }
     }
   }

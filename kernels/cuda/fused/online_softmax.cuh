@@ -79,7 +79,9 @@ struct OnlineSoftmax {
 
   // Update in two halves, for a kernel whose P V MMA of the previous tile still accumulates
   // into acc while this tile's softmax runs: the statistics (P in place of s, m and l, and each
-  // row's alpha), then, once that MMA is done, Rescale(acc, alpha).
+  // row's alpha), then, once that MMA is done, Rescale(acc, alpha). P and l come out multiplied
+  // by 2^kPLog2Scale (the FP8 forward's range for P).
+  template <int kPLog2Scale = 0>
   __device__ __forceinline__ void UpdateStatistics(float (&s)[kMTiles][kNTiles][4],
                                                    float scale_log2, float (&alpha)[kRows]) {
 #pragma unroll
@@ -96,11 +98,12 @@ struct OnlineSoftmax {
         const float m_ref = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // as in Update
         alpha[r] = ptx::Exp2(m[r] * scale_log2 - m_ref);
         m[r] = m_new;
+        const float p_ref = kPLog2Scale == 0 ? m_ref : m_ref - static_cast<float>(kPLog2Scale);
         float row_sum = 0.f;
 #pragma unroll
         for (int nj = 0; nj < kNTiles; ++nj) {
-          const float p0 = ptx::Exp2(fmaf(s[mi][nj][2 * half], scale_log2, -m_ref));
-          const float p1 = ptx::Exp2(fmaf(s[mi][nj][2 * half + 1], scale_log2, -m_ref));
+          const float p0 = ptx::Exp2(fmaf(s[mi][nj][2 * half], scale_log2, -p_ref));
+          const float p1 = ptx::Exp2(fmaf(s[mi][nj][2 * half + 1], scale_log2, -p_ref));
           s[mi][nj][2 * half] = p0;
           s[mi][nj][2 * half + 1] = p1;
           row_sum += p0 + p1;

@@ -92,6 +92,21 @@ __device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float lo, float hi) 
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Packs four floats into one register of four e4m3 bytes, `b0` in the lowest (round to nearest
+// even, saturating to +-448). sm_89 and later.
+__device__ __forceinline__ uint32_t PackE4m3Quad(float b0, float b1, float b2, float b3) {
+  uint32_t packed = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(packed)
+      : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+#endif
+  return packed;
+}
+
 // 2^x through the SFU: ex2(-inf) = 0, NaN stays NaN.
 __device__ __forceinline__ float Exp2(float x) {
   float y;

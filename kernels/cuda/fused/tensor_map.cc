@@ -49,8 +49,8 @@ TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, i
 cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = Encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const bool f32 = view.dtype == DType::kF32;
-  const int64_t kElementBytes = f32 ? 4 : 2;
+  const bool f32 = !view.e4m3 && view.dtype == DType::kF32;
+  const int64_t kElementBytes = view.e4m3 ? 1 : f32 ? 4 : 2;
   // A single sequence never steps by its stride; any valid value stands in.
   const int64_t sequence_bytes =
       (view.sequences > 1 ? view.sequence_stride : view.token_stride) * kElementBytes;
@@ -73,7 +73,9 @@ cudaError_t EncodeTokenTensorMap(const TokenTensorView& view, int box_rows, CUte
   const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / kElementBytes),
                              static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = f32                         ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+  // The copy engine moves e4m3 as plain bytes.
+  const CUtensorMapDataType type = view.e4m3                   ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : f32                       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : view.dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult result =

@@ -22,6 +22,7 @@ namespace attn::cuda {
 struct TokenTensorView {
   const void* data = nullptr;
   DType dtype = DType::kBF16;
+  bool e4m3 = false;  // one-byte e4m3 elements (the FP8 forward's, fp8_forward.h); dtype unread
   int head_dim = 0;
   int64_t rows = 0;
   int heads = 0;
@@ -59,9 +60,9 @@ cudaError_t EncodePagedKvTensorMaps(const PagedForwardParams& p, int box_rows, C
                                     CUtensorMap* v_map);
 
 // Encodes the map of `view` with boxes of 128 bytes of columns (the 128-byte swizzle's span: 64
-// 16-bit elements, 32 float32) by `box_rows` rows of one head of one sequence, stored 128-byte
-// swizzled; elements outside the tensor arrive as zeros (and a reduction into them is dropped),
-// columns past a head_dim that is not a multiple of the box (96) as well.
+// 16-bit elements, 32 float32, 128 e4m3) by `box_rows` rows of one head of one sequence, stored
+// 128-byte swizzled; elements outside the tensor arrive as zeros (and a reduction into them is
+// dropped), columns past a head_dim that is not a multiple of the box (96) as well.
 // cudaErrorNotSupported when the driver has no encoder or the view breaks the copy engine's
 // rules (addresses and strides in whole 16 bytes, sizes up to 2^32) or a row of head_dim is not
 // whole 16-byte chunks.

@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma) for the sm_90a fused kernel: shared-memory matrix descriptors
-// for 128-byte-swizzled tiles, the fences that order them, and the m64nNk16 instructions the
-// kernel issues. Only compiled into sm_90a code (see ATTN_WGMMA_AVAILABLE).
+// for 128-byte-swizzled tiles, the fences that order them, and the m64nNk16 (m64nNk32 for
+// e4m3) instructions the kernels issue. Only compiled into sm_90a code (see ATTN_WGMMA_AVAILABLE).
 //
 // Inline asm cannot take arrays: the accumulator register lists are spelled out once per width
 // (ATTN_WGMMA_ACC_*) and the wrappers are stamped out per shape and element type by two macros.
@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -232,6 +233,34 @@ __device__ __forceinline__ void FenceOperands(float (&r)[kCount]) {
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));     \
   }
 
+// The FP8 forward's products (fp8_forward.cu): k32 steps of e4m3, both operands K-major (the
+// instruction has no transpose for 8-bit types, so V arrives transposed), fp32 accumulators.
+#define ATTN_DEFINE_WGMMA_SS_E4M3(N, NACC, DESC_A, DESC_B, FLAG)                                \
+  __device__ __forceinline__ void MmaSS_##N(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,  \
+                                            int accumulate, __nv_fp8_e4m3) {                    \
+    ATTN_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG                                   \
+                   ", 0;\n"                                                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N                                       \
+                   "k32.f32.e4m3.e4m3"                                                          \
+                   " " ATTN_WGMMA_ACC_REGS_##NACC ", %" #DESC_A ", %" #DESC_B ", p, 1, 1;\n}\n" \
+                   : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                          \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                \
+  }
+// A from registers: per warp 16 rows x 32 bytes, register i holding four consecutive k of row
+// lane / 4 (+ 8 for registers 1 and 3), k from 4 * (lane % 4) (+ 16 for registers 2 and 3).
+#define ATTN_DEFINE_WGMMA_RS_E4M3(N, NACC, A0, A1, A2, A3, DESC_B, FLAG)                   \
+  __device__ __forceinline__ void MmaRS_##N(float(&d)[NACC], const uint32_t(&a)[4],        \
+                                            uint64_t desc_b, __nv_fp8_e4m3) {              \
+    ATTN_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG                              \
+                   ", 0;\n"                                                                \
+                   "wgmma.mma_async.sync.aligned.m64n" #N                                  \
+                   "k32.f32.e4m3.e4m3"                                                     \
+                   " " ATTN_WGMMA_ACC_REGS_##NACC ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 \
+                                                  "}, %" #DESC_B ", p, 1, 1;\n}\n"         \
+                   : ATTN_WGMMA_ACC_OPERANDS_##NACC(d)                                     \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));     \
+  }
+
 #ifdef ATTN_WGMMA_AVAILABLE
 #define ATTN_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
 #else
@@ -259,6 +288,9 @@ ATTN_DEFINE_WGMMA_RS(128, 64, 64, 65, 66, 67, 68, 69, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_RS(256, 128, 128, 129, 130, 131, 132, 133, __half, "f16")
 ATTN_DEFINE_WGMMA_RS(256, 128, 128, 129, 130, 131, 132, 133, __nv_bfloat16, "bf16")
 
+ATTN_DEFINE_WGMMA_SS_E4M3(128, 64, 64, 65, 66)
+ATTN_DEFINE_WGMMA_RS_E4M3(128, 64, 64, 65, 66, 67, 68, 69)
+
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __half, "f16")
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR(64, 32, 32, 33, 34, __nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B(128, 64, 64, 65, 66, __half, "f16")
@@ -269,6 +301,8 @@ ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B(128, 64, 64, 65, 66, __nv_bfloat16, "bf16")
 #undef ATTN_DEFINE_WGMMA_SS_MN_MAJOR
 #undef ATTN_DEFINE_WGMMA_SS_MN_MAJOR_B
 #undef ATTN_DEFINE_WGMMA_SS_NAMED
+#undef ATTN_DEFINE_WGMMA_SS_E4M3
+#undef ATTN_DEFINE_WGMMA_RS_E4M3
 #undef ATTN_WGMMA_ASM
 
 }  // namespace attn::cuda::wgmma
