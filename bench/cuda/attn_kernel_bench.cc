@@ -17,7 +17,7 @@
 // forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two);
 // with --deterministic=1 it asks for deterministic mode (BackwardArgs::deterministic) and names
 // the engine <engine>_det.
-// --fp8=1 also times the FP8 forward (cuda/fused/fp8_forward.h; head_dim 128, forward only):
+// --fp8=1 also times the FP8 forward (cuda/fused/fp8_forward.h; head_dim 128 and 256, forward):
 // `fused_fp8` on inputs quantized beforehand, `fused_fp8_quantizing` with PrepareFp8Forward's
 // quantization of the 16-bit inputs in each call, and both report O's error against the fused
 // engine's 16-bit output on the same inputs (rms_error: RMS of the difference over RMS of O;
@@ -259,6 +259,45 @@ struct EngineChoice {
   }
 };
 
+// The median ms of call(i) over repeats (CUDA events around each on `stream`): one call, then
+// after_first(), warm-up for warmup_ms (2 calls at least), then enough repeats for min_ms within
+// [10, max_repeats], their count in *repeats_out. A failing call's status is returned.
+template <typename Call, typename AfterFirst>
+absl::StatusOr<double> MedianMs(const Flags& f, cudaStream_t stream, Call call, int* repeats_out,
+                                AfterFirst after_first) {
+  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
+  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
+  ATTN_RETURN_IF_ERROR(call(0));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  float first_ms = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&first_ms, start.get(), stop.get()));
+  after_first();
+  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
+  for (int i = 0; i < warmups; ++i) ATTN_RETURN_IF_ERROR(call(i));
+  const int repeats =
+      std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
+  std::vector<cuda::CudaEvent> events;
+  for (int i = 0; i < 2 * repeats; ++i) {
+    ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
+    events.push_back(std::move(e));
+  }
+  for (int i = 0; i < repeats; ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
+    ATTN_RETURN_IF_ERROR(call(i + 1));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  std::vector<float> times(repeats);
+  for (int i = 0; i < repeats; ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&times[i], events[2 * i].get(), events[2 * i + 1].get()));
+  }
+  *repeats_out = repeats;
+  return Median(times);
+}
+
 absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, DType dtype, int d,
                      bool causal, int n, Row& row) {
   const EngineKind kind = choice.kind;
@@ -320,89 +359,18 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, D
     return f.backward ? engine->Backward(p, backward) : engine->Forward(p, args(set));
   };
   const size_t sets = buf.q.size();
-  absl::Status status;
-  // Warm-up: at least 3 calls and warmup_ms; the first sizes the engine's workspace.
-  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
-  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
-  float first_ms = 0;
-  {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
-    status = call(0);
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
-    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-    if (!status.ok()) {
-      cudaStreamDestroy(stream);
-      row.status = status.ToString();
-      return absl::OkStatus();
-    }
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&first_ms, start.get(), stop.get()));
-  }
-  row.workspace_bytes = DeviceUsedBytes() - used_before;
-  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
-  for (int i = 0; i < warmups && status.ok(); ++i) status = call(i % sets);
-  // Repeats: enough for min_ms, within [10, max_repeats].
-  const int repeats =
-      std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
-  std::vector<cuda::CudaEvent> events;
-  for (int i = 0; i < 2 * repeats && status.ok(); ++i) {
-    ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
-    events.push_back(std::move(e));
-  }
-  for (int i = 0; i < repeats && status.ok(); ++i) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
-    status = call((i + 1) % sets);
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
-  }
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  // The first call sizes the engine's workspace.
+  const absl::StatusOr<double> ms = MedianMs(
+      f, stream, [&](int i) { return call(i % sets); }, &row.repeats,
+      [&] { row.workspace_bytes = DeviceUsedBytes() - used_before; });
   cudaStreamDestroy(stream);
-  if (!status.ok()) {
-    row.status = status.ToString();
+  if (!ms.ok()) {
+    row.status = ms.status().ToString();
     return absl::OkStatus();
   }
-  std::vector<float> times(repeats);
-  for (int i = 0; i < repeats; ++i) {
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaEventElapsedTime(&times[i], events[2 * i].get(), events[2 * i + 1].get()));
-  }
-  row.repeats = repeats;
-  row.ms = Median(times);
+  row.ms = *ms;
   row.tflops = flops / (row.ms * 1e-3) / 1e12;
   return absl::OkStatus();
-}
-
-// Median ms of `repeats` calls of call(i), after warm-up; the first call's failure is returned.
-template <typename Call>
-absl::StatusOr<double> MedianMs(const Flags& f, cudaStream_t stream, Call call, int* repeats_out) {
-  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
-  ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
-  ATTN_RETURN_IF_ERROR(call(0));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  float first_ms = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&first_ms, start.get(), stop.get()));
-  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
-  for (int i = 0; i < warmups; ++i) ATTN_RETURN_IF_ERROR(call(i));
-  const int repeats =
-      std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
-  std::vector<cuda::CudaEvent> events;
-  for (int i = 0; i < 2 * repeats; ++i) {
-    ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
-    events.push_back(std::move(e));
-  }
-  for (int i = 0; i < repeats; ++i) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
-    ATTN_RETURN_IF_ERROR(call(i + 1));
-    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
-  }
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  std::vector<float> times(repeats);
-  for (int i = 0; i < repeats; ++i) {
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaEventElapsedTime(&times[i], events[2 * i].get(), events[2 * i + 1].get()));
-  }
-  *repeats_out = repeats;
-  return Median(times);
 }
 
 // O of `elements` in `dtype` (bf16 or fp16) on the device, as floats.
@@ -431,7 +399,9 @@ absl::Status TimeFp8(const Flags& f, Buffers& buf, DType dtype, int d, bool caus
     rows = {kernel_row, quantizing_row};
     return absl::OkStatus();
   };
-  if (d != 128) return fail(absl::UnimplementedError("the FP8 forward covers head_dim 128"));
+  if (d != 128 && d != 256) {
+    return fail(absl::UnimplementedError("the FP8 forward covers head_dim 128 and 256"));
+  }
   cudaStream_t stream = nullptr;
   ATTN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   ATTN_ASSIGN_OR_RETURN(cuda::DeviceBuffer counters, cuda::DeviceBuffer::Allocate(2 * sizeof(int)));
@@ -508,7 +478,7 @@ absl::Status TimeFp8(const Flags& f, Buffers& buf, DType dtype, int d, bool caus
     return cuda::LaunchFp8Forward(scratch[set], stream);
   };
   const auto time = [&](Row& row, const auto& call) {
-    const absl::StatusOr<double> ms = MedianMs(f, stream, call, &row.repeats);
+    const absl::StatusOr<double> ms = MedianMs(f, stream, call, &row.repeats, [] {});
     if (!ms.ok()) {
       row.status = ms.status().ToString();
       return;

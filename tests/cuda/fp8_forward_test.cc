@@ -25,8 +25,6 @@
 namespace attn::testing {
 namespace {
 
-constexpr int kHeadDim = 128;
-
 double DecodeE4m3(uint8_t b) {
   const int exponent = (b >> 3) & 15;
   const int mantissa = b & 7;
@@ -46,6 +44,7 @@ struct Fp8Case {
   int window_left = -1, window_right = -1;
   float stddev = 1.f;
   int persistent_ctas = 0;  // 0: one an SM
+  int head_dim = 128;
 };
 
 std::ostream& operator<<(std::ostream& os, const Fp8Case& c) { return os << c.name; }
@@ -70,6 +69,7 @@ class Fp8ForwardTest : public ::testing::TestWithParam<Fp8Case> {};
 TEST_P(Fp8ForwardTest, MatchesFloat64ReferenceOnItsE4m3Inputs) {
   ATTN_SKIP_WITHOUT_CUDA();
   const Fp8Case& c = GetParam();
+  const int kHeadDim = c.head_dim;
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrCat("seed ", seed));
   const int64_t total_q = c.batch * c.seqlen_q;
@@ -269,8 +269,8 @@ TEST_P(Fp8ForwardTest, MatchesFloat64ReferenceOnItsE4m3Inputs) {
 }
 
 // Sizes that are not multiples of the 128-row, 128-key tiles; GQA and MQA; masks whose rows see
-// no key (more queries than keys, causal); a window; the ring of three stages wrapping many
-// times on a few persistent CTAs.
+// no key (more queries than keys, causal); a window; the ring of stages wrapping many times on
+// a few persistent CTAs; head_dim 128 and 256.
 INSTANTIATE_TEST_SUITE_P(
     Fp8, Fp8ForwardTest,
     ::testing::Values(
@@ -281,7 +281,13 @@ INSTANTIATE_TEST_SUITE_P(
         Fp8Case{"fp16_window", DType::kF16, 2, 300, 300, 2, 2, false, 64, 16, 2.f},
         Fp8Case{"bf16_decode_rows", DType::kBF16, 3, 1, 17, 2, 2},
         Fp8Case{"bf16_no_keys", DType::kBF16, 1, 5, 0, 2, 2},
-        Fp8Case{"fp16_long_three_ctas", DType::kF16, 1, 700, 2100, 2, 1, false, -1, -1, 1.5f, 3}),
+        Fp8Case{"fp16_long_three_ctas", DType::kF16, 1, 700, 2100, 2, 1, false, -1, -1, 1.5f, 3},
+        Fp8Case{"bf16_d256_peaked_gqa_causal", DType::kBF16, 2, 333, 333, 4, 2, true, -1, -1, 2.f,
+                0, 256},
+        Fp8Case{"fp16_d256_window_three_ctas", DType::kF16, 1, 700, 900, 2, 1, false, 128, 32, 1.5f,
+                3, 256},
+        Fp8Case{"bf16_d256_more_queries_causal", DType::kBF16, 1, 300, 100, 2, 2, true, -1, -1, 1.f,
+                0, 256}),
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return info.param.name; });
 
 TEST(Fp8ForwardChecks, RefusesWhatItDoesNotCover) {

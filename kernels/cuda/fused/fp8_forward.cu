@@ -22,10 +22,11 @@
 namespace attn::cuda {
 namespace {
 
-constexpr int kHeadDim = 128;
-constexpr Sm90TmaTileShape kShape = Sm90TmaFp8TileShape();
-using Fp8Traits = FusedForwardSm90TmaTraits<__nv_fp8_e4m3, kHeadDim, kShape.block_n, kShape.stages,
-                                            kShape.consumer_warpgroups>;
+template <int kHeadDim>
+using Fp8Traits =
+    FusedForwardSm90TmaTraits<__nv_fp8_e4m3, kHeadDim, Sm90TmaFp8TileShape(kHeadDim).block_n,
+                              Sm90TmaFp8TileShape(kHeadDim).stages,
+                              Sm90TmaFp8TileShape(kHeadDim).consumer_warpgroups>;
 
 }  // namespace
 
@@ -39,8 +40,8 @@ struct Fp8ForwardTmaParams : FusedForwardTmaParams {
   const float* descale;
 };
 
-// The dense source over e4m3 tiles: a K tile is one 128-byte box of kBlockN keys, a V tile one
-// box of the transposed V, 128 rows (V's columns) of kBlockN key slots.
+// The dense source over e4m3 tiles: a K tile is a 128-byte box of kBlockN keys per column block,
+// a V tile one box of the transposed V, head_dim rows (V's columns) of kBlockN key slots.
 template <typename Traits>
 struct Fp8DenseKvTiles {
   using Params = Fp8ForwardTmaParams;
@@ -61,7 +62,11 @@ struct Fp8DenseKvTiles {
   }
   __device__ __forceinline__ void LoadKeys(uint32_t tile, uint32_t full, int key0) const {
     tma::ArriveExpectBytes(full, Traits::kKVTileBytes);
-    tma::Load4d(tile, &params.k_map, full, 0, key0, kv_head, q.sequence);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
+      tma::Load4d(tile + cb * Traits::kBlockN * 128, &params.k_map, full,
+                  cb * Traits::kBlockColumns, key0, kv_head, q.sequence);
+    }
   }
   __device__ __forceinline__ void LoadValues(uint32_t tile, uint32_t full, int key0) const {
     tma::ArriveExpectBytes(full, Traits::kKVTileBytes);
@@ -76,22 +81,24 @@ namespace {
 using fp8_forward::Fp8DenseKvTiles;
 using fp8_forward::Fp8ForwardTmaParams;
 
-constexpr auto kFp8Kernel = &FusedForwardSm90TmaKernel<Fp8Traits, Fp8DenseKvTiles<Fp8Traits>>;
+template <int kHeadDim>
+constexpr auto kFp8Kernel =
+    &FusedForwardSm90TmaKernel<Fp8Traits<kHeadDim>, Fp8DenseKvTiles<Fp8Traits<kHeadDim>>>;
 
 // ---- Quantization ----
 
-// 16-byte chunks of a [tokens, heads, 128] 16-bit tensor: eight elements each, sixteen a row.
+// 16-byte chunks of a [tokens, heads, head_dim] 16-bit tensor: eight elements each.
 struct RowsView {
   const void* data;
   int64_t tokens;
-  int heads;
+  int heads, head_dim;
   int64_t token_stride, head_stride;  // elements
-  __host__ __device__ int64_t chunks() const { return tokens * heads * (kHeadDim / 8); }
+  __host__ __device__ int64_t chunks() const { return tokens * heads * (head_dim / 8); }
   __device__ const uint4* chunk(int64_t i) const {
-    const int64_t row = i / (kHeadDim / 8);
+    const int64_t row = i / (head_dim / 8);
     const int64_t token = row / heads;
     const int head = static_cast<int>(row % heads);
-    const int column = static_cast<int>(i % (kHeadDim / 8)) * 8;
+    const int column = static_cast<int>(i % (head_dim / 8)) * 8;
     return reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) +
                                           token * token_stride + head * head_stride + column);
   }
@@ -136,7 +143,7 @@ __global__ void DescaleKernel(const unsigned* amax, float* descale) {
   }
 }
 
-// Q or K to packed e4m3 [tokens, heads, 128]: stored = real / descale.
+// Q or K to packed e4m3 [tokens, heads, head_dim]: stored = real / descale.
 template <typename Element>
 __global__ void QuantizeRowsKernel(RowsView view, const float* descale, uint2* out) {
   const float inverse = 1.f / *descale;
@@ -155,14 +162,14 @@ __global__ void QuantizeRowsKernel(RowsView view, const float* descale, uint2* o
   }
 }
 
-// V [batch * seqlen_k, kv_heads, 128] to the transposed, slot-permuted layout of fp8_forward.h:
-// a thread writes one group of 16 slots of one row (a column of V); the 32 threads of a warp
-// take 32 neighbouring columns, so each key's read is 64 contiguous bytes.
+// V [batch * seqlen_k, kv_heads, head_dim] to the transposed, slot-permuted layout of
+// fp8_forward.h: a thread writes one group of 16 slots of one row (a column of V); the 32 threads
+// of a warp take 32 neighbouring columns, so each key's read is 64 contiguous bytes.
 struct TransposedValues {
-  int batch, kv_heads;
+  int batch, kv_heads, head_dim;
   int64_t seqlen_k, row_keys;
   __host__ __device__ int64_t groups() const {
-    return int64_t{batch} * kv_heads * (row_keys / 16) * kHeadDim;
+    return int64_t{batch} * kv_heads * (row_keys / 16) * head_dim;
   }
 };
 
@@ -172,9 +179,9 @@ __global__ void TransposeValuesKernel(RowsView v, TransposedValues t, const floa
   const float inverse = 1.f / *descale;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < t.groups();
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int column = static_cast<int>(i % kHeadDim);
-    const int64_t group = (i / kHeadDim) % (t.row_keys / 16);
-    const int64_t head_row = i / kHeadDim / (t.row_keys / 16);  // sequence * kv_heads + head
+    const int column = static_cast<int>(i % t.head_dim);
+    const int64_t group = (i / t.head_dim) % (t.row_keys / 16);
+    const int64_t head_row = i / t.head_dim / (t.row_keys / 16);  // sequence * kv_heads + head
     const int head = static_cast<int>(head_row % t.kv_heads);
     const int64_t sequence = head_row / t.kv_heads;
     const Element* base = static_cast<const Element*>(v.data) +
@@ -191,7 +198,7 @@ __global__ void TransposeValuesKernel(RowsView v, TransposedValues t, const floa
       word[w] = ToE4m3Pair(x[4 * w], x[4 * w + 1]) |
                 (static_cast<uint32_t>(ToE4m3Pair(x[4 * w + 2], x[4 * w + 3])) << 16);
     }
-    out[(head_row * kHeadDim + column) * (t.row_keys / 16) + group] =
+    out[(head_row * t.head_dim + column) * (t.row_keys / 16) + group] =
         make_uint4(word[0], word[1], word[2], word[3]);
   }
 }
@@ -213,8 +220,9 @@ struct Fp8Workspace {
   static Fp8Workspace Of(const FusedForwardParams& p) {
     const int64_t q_tokens = int64_t{p.batch} * p.seqlen_q;
     const int64_t k_tokens = int64_t{p.batch} * p.seqlen_k;
-    return {Round(q_tokens * p.num_heads * kHeadDim), Round(k_tokens * p.num_kv_heads * kHeadDim),
-            Round(int64_t{p.batch} * p.num_kv_heads * kHeadDim * Fp8ValueRowKeys(p.seqlen_k))};
+    return {Round(q_tokens * p.num_heads * p.head_dim),
+            Round(k_tokens * p.num_kv_heads * p.head_dim),
+            Round(int64_t{p.batch} * p.num_kv_heads * p.head_dim * Fp8ValueRowKeys(p.seqlen_k))};
   }
   int64_t total() const { return kScaleBytes + q_bytes + k_bytes + v_bytes; }
 };
@@ -230,9 +238,9 @@ absl::Status CheckRows(const char* name, const void* data, int64_t token_stride,
 }
 
 absl::Status CheckShape(const FusedForwardParams& p) {
-  if (p.head_dim != kHeadDim) {
+  if (p.head_dim != 128 && p.head_dim != 256) {
     return absl::UnimplementedError(
-        absl::StrCat("cuda_fp8: head_dim must be 128 (got ", p.head_dim, ")"));
+        absl::StrCat("cuda_fp8: head_dim must be 128 or 256 (got ", p.head_dim, ")"));
   }
   if (p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr) {
     return absl::UnimplementedError("cuda_fp8: variable-length batches are not supported");
@@ -262,24 +270,15 @@ absl::Status LaunchError(cudaError_t err, const char* what) {
   return absl::InternalError(absl::StrCat("cuda_fp8: ", what, ": ", cudaGetErrorString(err)));
 }
 
-}  // namespace
-
-absl::Status LaunchFp8Forward(const Fp8ForwardParams& params, void* stream) {
+// The kernel at head_dim kHeadDim, after LaunchFp8Forward's checks.
+template <int kHeadDim>
+absl::Status LaunchFp8ForwardAt(const Fp8ForwardParams& params, cudaStream_t stream) {
+  using Traits = Fp8Traits<kHeadDim>;
   const FusedForwardParams& p = params.p;
-  if (auto s = CheckShape(p); !s.ok()) return s;
-  if (auto s = CheckRows("q", p.q, p.q_token_stride, p.q_head_stride, 1); !s.ok()) return s;
-  if (auto s = CheckRows("k", p.k, p.k_token_stride, p.k_head_stride, 1); !s.ok()) return s;
-  if (auto s = CheckRows("o", p.o, p.o_token_stride, p.o_head_stride, 2); !s.ok()) return s;
-  if (!IsAligned16(p.v)) return absl::InvalidArgumentError("cuda_fp8: v is not 16-byte aligned");
-  if (params.descale == nullptr) return absl::InvalidArgumentError("cuda_fp8: descale is null");
-  if (p.tile_counters == nullptr) {
-    return absl::InvalidArgumentError("cuda_fp8: tile_counters is null");
-  }
-  if (p.batch == 0 || p.seqlen_q == 0) return absl::OkStatus();
-  if (!Sm90aKernelUsable<kFp8Kernel>()) {
+  if (!Sm90aKernelUsable<kFp8Kernel<kHeadDim>>()) {
     return absl::UnimplementedError("cuda_fp8: needs a Hopper GPU and a build with sm_90a code");
   }
-  if (QueryBlocksOf<Fp8Traits::kBlockM>(p) >= (int64_t{1} << 31)) {
+  if (QueryBlocksOf<Traits::kBlockM>(p) >= (int64_t{1} << 31)) {
     return absl::UnimplementedError("cuda_fp8: 2^31 query blocks or more");
   }
   Fp8ForwardTmaParams launch;
@@ -303,18 +302,37 @@ absl::Status LaunchFp8Forward(const Fp8ForwardParams& params, void* stream) {
   v.token_stride = row_keys;
   v.head_stride = kHeadDim * row_keys;
   v.sequence_stride = p.num_kv_heads * kHeadDim * row_keys;
-  cudaError_t err = EncodeTokenTensorMap(q, Fp8Traits::kBlockM, &launch.q_map);
-  if (err == cudaSuccess) err = EncodeTokenTensorMap(k, Fp8Traits::kBlockN, &launch.k_map);
+  cudaError_t err = EncodeTokenTensorMap(q, Traits::kBlockM, &launch.q_map);
+  if (err == cudaSuccess) err = EncodeTokenTensorMap(k, Traits::kBlockN, &launch.k_map);
   if (err == cudaSuccess) err = EncodeTokenTensorMap(v, kHeadDim, &launch.v_map);
   if (err != cudaSuccess) return LaunchError(err, "the tensor maps of q, k and v");
   unsigned ctas = 0;
-  err = PersistentCtas(QueryBlocksOf<Fp8Traits::kBlockM>(p), p.persistent_ctas, &ctas);
+  err = PersistentCtas(QueryBlocksOf<Traits::kBlockM>(p), p.persistent_ctas, &ctas);
   if (err == cudaSuccess) {
-    err = LaunchWithSharedMemory(kFp8Kernel, dim3(ctas), Fp8Traits::kThreads, Fp8Traits::kSmemBytes,
-                                 static_cast<cudaStream_t>(stream), launch);
+    err = LaunchWithSharedMemory(kFp8Kernel<kHeadDim>, dim3(ctas), Traits::kThreads,
+                                 Traits::kSmemBytes, stream, launch);
   }
   if (err != cudaSuccess) return LaunchError(err, "the FP8 forward");
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LaunchFp8Forward(const Fp8ForwardParams& params, void* stream) {
+  const FusedForwardParams& p = params.p;
+  if (auto s = CheckShape(p); !s.ok()) return s;
+  if (auto s = CheckRows("q", p.q, p.q_token_stride, p.q_head_stride, 1); !s.ok()) return s;
+  if (auto s = CheckRows("k", p.k, p.k_token_stride, p.k_head_stride, 1); !s.ok()) return s;
+  if (auto s = CheckRows("o", p.o, p.o_token_stride, p.o_head_stride, 2); !s.ok()) return s;
+  if (!IsAligned16(p.v)) return absl::InvalidArgumentError("cuda_fp8: v is not 16-byte aligned");
+  if (params.descale == nullptr) return absl::InvalidArgumentError("cuda_fp8: descale is null");
+  if (p.tile_counters == nullptr) {
+    return absl::InvalidArgumentError("cuda_fp8: tile_counters is null");
+  }
+  if (p.batch == 0 || p.seqlen_q == 0) return absl::OkStatus();
+  auto* s = static_cast<cudaStream_t>(stream);
+  return p.head_dim == 128 ? LaunchFp8ForwardAt<128>(params, s)
+                           : LaunchFp8ForwardAt<256>(params, s);
 }
 
 int64_t Fp8ForwardWorkspaceBytes(const FusedForwardParams& p) {
@@ -349,16 +367,19 @@ absl::Status PrepareFp8Forward(const FusedForwardParams& p, void* workspace,
   out->p.q = q8;
   out->p.k = k8;
   out->p.v = v8;
-  out->p.q_token_stride = int64_t{p.num_heads} * kHeadDim;
-  out->p.q_head_stride = kHeadDim;
-  out->p.k_token_stride = int64_t{p.num_kv_heads} * kHeadDim;
-  out->p.k_head_stride = kHeadDim;
+  out->p.q_token_stride = int64_t{p.num_heads} * p.head_dim;
+  out->p.q_head_stride = p.head_dim;
+  out->p.k_token_stride = int64_t{p.num_kv_heads} * p.head_dim;
+  out->p.k_head_stride = p.head_dim;
   out->descale = descale;
 
-  const RowsView q{p.q, p.batch * p.seqlen_q, p.num_heads, p.q_token_stride, p.q_head_stride};
-  const RowsView k{p.k, p.batch * p.seqlen_k, p.num_kv_heads, p.k_token_stride, p.k_head_stride};
-  const RowsView v{p.v, p.batch * p.seqlen_k, p.num_kv_heads, p.v_token_stride, p.v_head_stride};
-  const TransposedValues transposed{p.batch, p.num_kv_heads, p.seqlen_k,
+  const RowsView q{p.q,        p.batch * p.seqlen_q, p.num_heads,
+                   p.head_dim, p.q_token_stride,     p.q_head_stride};
+  const RowsView k{p.k,        p.batch * p.seqlen_k, p.num_kv_heads,
+                   p.head_dim, p.k_token_stride,     p.k_head_stride};
+  const RowsView v{p.v,        p.batch * p.seqlen_k, p.num_kv_heads,
+                   p.head_dim, p.v_token_stride,     p.v_head_stride};
+  const TransposedValues transposed{p.batch, p.num_kv_heads, p.head_dim, p.seqlen_k,
                                     Fp8ValueRowKeys(p.seqlen_k)};
   auto* s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(amax, 0, 3 * sizeof(unsigned), s);

@@ -112,9 +112,10 @@ struct FusedForwardSm90TmaTraits {
   static_assert(kBlockN * 128 % 1024 == 0, "every column block starts 1024-byte aligned");
   static_assert(kStages >= 2, "a stage loads while another is read");
   static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per CTA");
-  static_assert(sizeof(Element) == 2 || (kFp8 && kHeadDim == 128 && kBlockN == 128),
-                "16-bit storage, or e4m3 at head_dim 128 with 128-key tiles (a V^T tile is then "
-                "one column block of 128 rows, the size of a K tile)");
+  static_assert(sizeof(Element) == 2 ||
+                    (kFp8 && (kHeadDim == 128 || kHeadDim == 256) && kBlockN == 128),
+                "16-bit storage, or e4m3 at head_dim 128 or 256 with 128-key tiles (a V^T tile "
+                "is then one column block of head_dim rows, the size of a K tile)");
   static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3, "128 or 192 query rows");
   static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
                 "the register file");
@@ -240,8 +241,12 @@ __device__ __forceinline__ void IssueValues(float (&acc)[Traits::kTileColumns / 
   if constexpr (Traits::kFp8) {
 #pragma unroll
     for (int ps = 0; ps < Traits::kPSteps; ++ps) {
-      wgmma::MmaRS_128(acc, p[ps], wgmma::MakeDescriptor(v_tile + ps * 32, 0),
-                       typename Traits::Element{});
+      const uint64_t desc_v = wgmma::MakeDescriptor(v_tile + ps * 32, 0);
+      if constexpr (Traits::kTileColumns == 256) {
+        wgmma::MmaRS_256(acc, p[ps], desc_v, typename Traits::Element{});
+      } else {
+        wgmma::MmaRS_128(acc, p[ps], desc_v, typename Traits::Element{});
+      }
     }
   } else {
 #pragma unroll

@@ -65,10 +65,13 @@ constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
   return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
 }
 
-// The FP8 forward (fp8_forward.h, head_dim 128): 128 keys, so that a tile of the transposed V
-// (128 rows of key slots) is one 128-byte column block, the size of a K tile; three stages of
-// 16 KiB K and V tiles beside Q's 16 KiB take 112 KiB. Not tuned.
-constexpr Sm90TmaTileShape Sm90TmaFp8TileShape() { return Sm90TmaTileShape{128, 3, 2}; }
+// The FP8 forward (fp8_forward.h, head_dim 128 and 256): 128 keys, so that a tile of the
+// transposed V (head_dim rows of key slots) is one 128-byte column block, the size of a K tile.
+// At 128 three stages of 16 KiB K and V tiles beside Q's 16 KiB take 112 KiB; at 256 two stages
+// of 32 KiB beside Q's 32 take 160 KiB, as the 16-bit kernel's two there. Not tuned.
+constexpr Sm90TmaTileShape Sm90TmaFp8TileShape(int head_dim) {
+  return head_dim > 128 ? Sm90TmaTileShape{128, 2, 2} : Sm90TmaTileShape{128, 3, 2};
+}
 
 // The same kernel over pages (the paged prefill, paged_tma_source.cuh): its key tiles are a
 // power of two, so that with power-of-two pages a tile is a piece of one page or whole pages.
