@@ -290,6 +290,32 @@ INSTANTIATE_TEST_SUITE_P(
                 0, 256}),
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return info.param.name; });
 
+// The transposed V's slot order against the two register layouts it joins (PTX ISA, wgmma):
+// a thread (lane % 4 = t) holds, of each 8-key tile of the fp32 scores, keys 2t and 2t + 1; of
+// an e4m3 A fragment, register pair h (registers 2h and 2h + 1, rows g and g + 8) holds k
+// 16h + 4t + b in byte b. PackProbabilities fills byte b of pair h of step ps from score tile
+// 4 ps + 2h + b / 2, element b % 2, so slot 16h + 4t + b of the step's 32 keys holds key
+// 8 (2h + b / 2) + 2t + b % 2: within each 16, slot c holds Fp8ValueSlotKey(c).
+TEST(Fp8ForwardChecks, ValueSlotsFollowTheFragmentLayouts) {
+  bool seen[16] = {};
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < 4; ++t) {
+      for (int b = 0; b < 4; ++b) {
+        const int slot = 16 * h + 4 * t + b;
+        const int key = 8 * (2 * h + b / 2) + 2 * t + b % 2;
+        EXPECT_EQ(key / 16, slot / 16) << "a key leaves its group of 16: slot " << slot;
+        EXPECT_EQ(cuda::Fp8ValueSlotKey(slot % 16), key % 16) << "slot " << slot;
+      }
+    }
+  }
+  for (int slot = 0; slot < 16; ++slot) seen[cuda::Fp8ValueSlotKey(slot)] = true;
+  for (int key = 0; key < 16; ++key) EXPECT_TRUE(seen[key]) << "no slot holds key " << key;
+  EXPECT_EQ(cuda::Fp8ValueRowKeys(0), 16);
+  EXPECT_EQ(cuda::Fp8ValueRowKeys(1), 16);
+  EXPECT_EQ(cuda::Fp8ValueRowKeys(16), 16);
+  EXPECT_EQ(cuda::Fp8ValueRowKeys(17), 32);
+}
+
 TEST(Fp8ForwardChecks, RefusesWhatItDoesNotCover) {
   cuda::FusedForwardParams p;
   p.head_dim = 64;
