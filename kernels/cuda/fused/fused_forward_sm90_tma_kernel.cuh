@@ -27,8 +27,8 @@
 //       turn T:     acc += P_{T-1} V_{T-1}
 //
 // P stays in registers as the A operand of P V. Tiles run from the last visible key tile to
-// the first (BlockMask), as in the other kernels. O = acc / l goes from registers to device
-// memory; LSE = m * scale + log(l).
+// the first (BlockMask), as in the other kernels. O = acc / l goes to device memory through a
+// few rows of shared memory per warp, in 16-byte pieces; LSE = m * scale + log(l).
 //
 // The same kernel runs the FP8 forward (fp8_forward.cu): e4m3 tiles (Element of one byte), both
 // products on e4m3 instructions, V transposed in global memory, O in bf16.
@@ -103,7 +103,18 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
   static constexpr int kSlotOffset = kBarrierOffset + 8 * (6 + 4 * kStages);
-  static constexpr int kSmemBytes = kSlotOffset + 2 * 4;
+  // The epilogue stages O through shared memory where it fits beside the stages: each consumer
+  // warp 8 rows at a time, a row padded by 16 bytes so that the warp's fragment stores fall in
+  // 32 distinct banks, read back and stored in 16-byte pieces (whole rows of a warp's store
+  // contiguous, every sector written once). Elsewhere (head_dim 256 with 80 keys) each thread
+  // stores its fragment from registers, 4 bytes at a time.
+  static constexpr int kOutputRowBytes = kHeadDim * static_cast<int>(sizeof(OutputElement));
+  static constexpr int kStagedRowBytes = kOutputRowBytes + 16;
+  static constexpr int kStagingOffset = (kSlotOffset + 2 * 4 + 15) / 16 * 16;
+  static constexpr int kStagingBytes = kConsumerThreads / 32 * 8 * kStagedRowBytes;
+  static constexpr bool kStagedEpilogue = kStagingOffset + kStagingBytes <= 227 * 1024;
+  static constexpr int kSmemBytes =
+      kStagedEpilogue ? kStagingOffset + kStagingBytes : kSlotOffset + 2 * 4;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "P V is m64n64, n128 (head_dim 96 and 128) or n256");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 ||
@@ -610,14 +621,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_loads;
     }
 
-    // Epilogue: O = acc / l (0 for rows that saw no key) from registers, the rows inside the
-    // sequence and head_dim columns of each: a quad writes 16 contiguous bytes of a row, which
-    // the L2 merges with its neighbours'. Staging through shared memory would hold Q's buffer
-    // past the block's last Q K^T, and the next block's Q load behind this epilogue.
+    // Epilogue: O = acc / l (0 for rows that saw no key), the rows inside the sequence and the
+    // head_dim columns of each; staged through the warp's shared-memory rows where the traits
+    // have them (a quad's 16 contiguous bytes of a row at a time otherwise cost the store unit
+    // twice the sectors). Staging in Q's buffer instead would hold it past the block's last
+    // Q K^T, and the next block's Q load behind this epilogue.
     using Output = typename Traits::OutputElement;
     float* lse = block.lse(p);
     Output* o = static_cast<Output*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
                 block.head * p.o_head_stride;
+    // This warp's 8 rows of the staging buffer.
+    [[maybe_unused]] const uint32_t staging =
+        q_tile + Traits::kStagingOffset + (threadIdx.x / 32 - 4) * 8 * Traits::kStagedRowBytes;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float l = QuadSum(softmax.l[half]);
@@ -627,16 +642,44 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         l *= 1.f / (1 << Traits::kProbabilityLog2Scale);  // exact: a power of two
       }
       const int row = local_row + half * 8;
-      if (row < rows_in_block) {
+      if constexpr (Traits::kStagedEpilogue) {
+        // Every lane writes its piece of the warp's 8 rows; the read-back skips rows past the
+        // block. The barrier orders the last read-back of this buffer before these writes.
+        __syncwarp();
+        const uint32_t staged_row = staging + quad_row * Traits::kStagedRowBytes + quad_col * 4;
+#pragma unroll
+        for (int dj = 0; dj < kHeadDim / 8; ++dj) {
+          ptx::StoreShared32(staged_row + dj * 16,
+                             ptx::PackPair<Output>(acc[0][dj][2 * half] * inv_l,
+                                                   acc[0][dj][2 * half + 1] * inv_l));
+        }
+      } else if (row < rows_in_block) {
         Output* o_row = o + row * p.o_token_stride + quad_col * 2;
 #pragma unroll
         for (int dj = 0; dj < kHeadDim / 8; ++dj) {
           *reinterpret_cast<uint32_t*>(o_row + dj * 8) =
               ptx::PackPair<Output>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
         }
-        if (lse != nullptr && quad_col == 0) {
-          // 16-bit: p.scale re-read from parameter space rather than kept live in a register.
-          lse[row] = RowLse(softmax.m[half], l, Traits::kFp8 ? score_scale : p.scale);
+      }
+      if (row < rows_in_block && lse != nullptr && quad_col == 0) {
+        // 16-bit: p.scale re-read from parameter space rather than kept live in a register.
+        lse[row] = RowLse(softmax.m[half], l, Traits::kFp8 ? score_scale : p.scale);
+      }
+      if constexpr (Traits::kStagedEpilogue) {
+        __syncwarp();
+        constexpr int kPiecesPerRow = Traits::kOutputRowBytes / 16;
+        static_assert(8 * kPiecesPerRow % 32 == 0, "the warp's lanes share the pieces evenly");
+        const int first_row = local_row - quad_row + half * 8;
+#pragma unroll
+        for (int k = 0; k < 8 * kPiecesPerRow / 32; ++k) {
+          const int piece = lane + 32 * k;
+          const int r = piece / kPiecesPerRow;
+          const int c = piece % kPiecesPerRow;
+          if (first_row + r < rows_in_block) {
+            static_assert(sizeof(Output) == 2, "16-byte pieces of 8 outputs");
+            *reinterpret_cast<uint4*>(o + (first_row + r) * p.o_token_stride + c * 8) =
+                ptx::LoadShared128(staging + r * Traits::kStagedRowBytes + c * 16);
+          }
         }
       }
     }

@@ -37,6 +37,20 @@ __device__ __forceinline__ void WaitAsyncGroups() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
 }
 
+// Plain shared-memory accesses by 32-bit shared-window address (the Hopper kernels keep their
+// buffers that way; a generic pointer would take two registers).
+__device__ __forceinline__ void StoreShared32(uint32_t smem, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem), "r"(value) : "memory");
+}
+__device__ __forceinline__ uint4 LoadShared128(uint32_t smem) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem)
+               : "memory");
+  return v;
+}
+
 // Four 8x8 b16 matrices; lane i supplies the row address of matrix i / 8.
 __device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], uint32_t smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
