@@ -41,6 +41,7 @@
 #include "cuda/fused/heuristics.h"
 #include "cuda/fused/ptx.cuh"
 #include "cuda/fused/sequence.cuh"
+#include "cuda/fused/staged_rows.cuh"
 #include "cuda/fused/tma.cuh"
 #include "cuda/fused/wgmma.cuh"
 
@@ -93,7 +94,10 @@ struct FusedBackwardSm90Traits {
   static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
   static constexpr int kStatsOffset = kDqOffset + kConsumerWarpGroups * kDqBlockBytes;
   static constexpr int kBarrierOffset = kStatsOffset + kConsumerWarpGroups * 2 * kStatsFloats * 4;
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 2 * kStages);
+  // Then each consumer warp's 8 staged rows of dK and dV (staged_rows.cuh), one after the other.
+  static constexpr int kStagingOffset = (kBarrierOffset + 8 * (1 + 2 * kStages) + 15) / 16 * 16;
+  static constexpr int kWarpStagingBytes = attn::cuda::kWarpStagingBytes<kHeadDim * 2>;
+  static constexpr int kSmemBytes = kStagingOffset + kConsumerThreads / 32 * kWarpStagingBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
                 "dK and dV are m64n64 or m64n128 (head_dim 96 and 128)");
   static_assert(kBlockM == 64 || kBlockM == 128, "S^T tiles are m64n64 or m64n128");
@@ -489,16 +493,36 @@ __device__ __forceinline__ void ScoresToGradients(float (&s)[kQTiles * 4], float
 
 // A thread's rows of dK (scaled) and dV (m64nN accumulators) to the dtype: the first kColumns
 // columns of the accumulators (head_dim 96 leaves the zero ones behind) at the rows' columns
-// from first_column, for its two key rows of the block that lie inside it.
+// from first_column, for its two key rows of the block that lie inside it. With 16-byte aligned
+// outputs and a staging buffer (the warp's, staged_rows.cuh) through shared memory, 16 bytes a
+// store; otherwise (staging 0: none, as at head_dim 256) from registers.
 template <typename Element, int kColumns, int kAccumulators>
 __device__ __forceinline__ void StoreKeyGradients(const FusedBackwardTmaParams& params,
                                                   const SequenceView<int64_t>& seq,
                                                   const float (&dk)[kAccumulators],
                                                   const float (&dv)[kAccumulators], int64_t k0,
                                                   int64_t keys, int kv_head, int key_row, int pair,
-                                                  int first_column) {
+                                                  int first_column, uint32_t staging = 0) {
   static_assert(kColumns / 2 <= kAccumulators, "columns the accumulators hold");
   const FusedBackwardParams& p = params.p;
+  if (staging != 0 && params.aligned_outputs) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int first_row = key_row - lane / 4 + half * 8;  // of the warp's 8 in this pass
+      const int64_t token = seq.k_start + k0 + first_row;
+      const int valid_rows = static_cast<int>(Min64(keys - first_row, 8));
+      StoreStagedRows<Element, kColumns>(dk, half, p.scale, staging,
+                                         static_cast<Element*>(p.dk) + token * p.dk_token_stride +
+                                             kv_head * p.dk_head_stride + first_column,
+                                         p.dk_token_stride, valid_rows, lane);
+      StoreStagedRows<Element, kColumns>(dv, half, 1.f, staging,
+                                         static_cast<Element*>(p.dv) + token * p.dv_token_stride +
+                                             kv_head * p.dv_head_stride + first_column,
+                                         p.dv_token_stride, valid_rows, lane);
+    }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = key_row + half * 8;
@@ -599,7 +623,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // order after it at 128, 0.98-0.99x at 64 (bf16, two rounds each, same call).
   constexpr bool kStoreUnderLastDq = kHeadDim > 64;
   const auto store_key_gradients = [&] {
-    StoreKeyGradients<Element, kHeadDim>(params, seq, dk, dv, k0, keys, kv_head, key_row, pair, 0);
+    StoreKeyGradients<Element, kHeadDim>(
+        params, seq, dk, dv, k0, keys, kv_head, key_row, pair, 0,
+        smem + Traits::kStagingOffset + (threadIdx.x / 32 - 4) * Traits::kWarpStagingBytes);
   };
 
   if (tiles.count > 0) {

@@ -54,6 +54,7 @@
 #include "cuda/fused/ptx.cuh"
 #include "cuda/fused/query_block.cuh"
 #include "cuda/fused/query_schedule.cuh"
+#include "cuda/fused/staged_rows.cuh"
 #include "cuda/fused/tma.cuh"
 #include "cuda/fused/wgmma.cuh"
 
@@ -103,15 +104,13 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
   static constexpr int kSlotOffset = kBarrierOffset + 8 * (6 + 4 * kStages);
-  // The epilogue stages O through shared memory where it fits beside the stages: each consumer
-  // warp 8 rows at a time, a row padded by 16 bytes so that the warp's fragment stores fall in
-  // 32 distinct banks, read back and stored in 16-byte pieces (whole rows of a warp's store
-  // contiguous, every sector written once). Elsewhere (head_dim 256 with 80 keys) each thread
-  // stores its fragment from registers, 4 bytes at a time.
-  static constexpr int kOutputRowBytes = kHeadDim * static_cast<int>(sizeof(OutputElement));
-  static constexpr int kStagedRowBytes = kOutputRowBytes + 16;
+  // The epilogue stages O through 8 rows of shared memory a consumer warp (staged_rows.cuh)
+  // where they fit beside the stages; elsewhere (head_dim 256 with 80 keys) each thread stores
+  // its fragment from registers, 4 bytes at a time.
   static constexpr int kStagingOffset = (kSlotOffset + 2 * 4 + 15) / 16 * 16;
-  static constexpr int kStagingBytes = kConsumerThreads / 32 * 8 * kStagedRowBytes;
+  static constexpr int kOutputRowBytes = kHeadDim * static_cast<int>(sizeof(OutputElement));
+  static constexpr int kWarpStagingBytes = attn::cuda::kWarpStagingBytes<kOutputRowBytes>;
+  static constexpr int kStagingBytes = kConsumerThreads / 32 * kWarpStagingBytes;
   static constexpr bool kStagedEpilogue = kStagingOffset + kStagingBytes <= 227 * 1024;
   static constexpr int kSmemBytes =
       kStagedEpilogue ? kStagingOffset + kStagingBytes : kSlotOffset + 2 * 4;
@@ -632,7 +631,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 block.head * p.o_head_stride;
     // This warp's 8 rows of the staging buffer.
     [[maybe_unused]] const uint32_t staging =
-        q_tile + Traits::kStagingOffset + (threadIdx.x / 32 - 4) * 8 * Traits::kStagedRowBytes;
+        q_tile + Traits::kStagingOffset + (threadIdx.x / 32 - 4) * Traits::kWarpStagingBytes;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float l = QuadSum(softmax.l[half]);
@@ -643,16 +642,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       const int row = local_row + half * 8;
       if constexpr (Traits::kStagedEpilogue) {
-        // Every lane writes its piece of the warp's 8 rows; the read-back skips rows past the
-        // block. The barrier orders the last read-back of this buffer before these writes.
-        __syncwarp();
-        const uint32_t staged_row = staging + quad_row * Traits::kStagedRowBytes + quad_col * 4;
-#pragma unroll
-        for (int dj = 0; dj < kHeadDim / 8; ++dj) {
-          ptx::StoreShared32(staged_row + dj * 16,
-                             ptx::PackPair<Output>(acc[0][dj][2 * half] * inv_l,
-                                                   acc[0][dj][2 * half + 1] * inv_l));
-        }
+        const int first_row = local_row - quad_row + half * 8;  // of the warp's 8 in this pass
+        StoreStagedRows<Output, kHeadDim>(acc_flat, half, inv_l, staging,
+                                          o + first_row * p.o_token_stride, p.o_token_stride,
+                                          rows_in_block - first_row, lane);
       } else if (row < rows_in_block) {
         Output* o_row = o + row * p.o_token_stride + quad_col * 2;
 #pragma unroll
@@ -664,23 +657,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (row < rows_in_block && lse != nullptr && quad_col == 0) {
         // 16-bit: p.scale re-read from parameter space rather than kept live in a register.
         lse[row] = RowLse(softmax.m[half], l, Traits::kFp8 ? score_scale : p.scale);
-      }
-      if constexpr (Traits::kStagedEpilogue) {
-        __syncwarp();
-        constexpr int kPiecesPerRow = Traits::kOutputRowBytes / 16;
-        static_assert(8 * kPiecesPerRow % 32 == 0, "the warp's lanes share the pieces evenly");
-        const int first_row = local_row - quad_row + half * 8;
-#pragma unroll
-        for (int k = 0; k < 8 * kPiecesPerRow / 32; ++k) {
-          const int piece = lane + 32 * k;
-          const int r = piece / kPiecesPerRow;
-          const int c = piece % kPiecesPerRow;
-          if (first_row + r < rows_in_block) {
-            static_assert(sizeof(Output) == 2, "16-byte pieces of 8 outputs");
-            *reinterpret_cast<uint4*>(o + (first_row + r) * p.o_token_stride + c * 8) =
-                ptx::LoadShared128(staging + r * Traits::kStagedRowBytes + c * 16);
-          }
-        }
       }
     }
   }
