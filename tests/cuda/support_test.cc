@@ -9,6 +9,7 @@
 #include "attn/engine.h"
 #include "cuda/common/alignment.h"
 #include "cuda/fused/capabilities.h"
+#include "cuda/fused/heuristics.h"
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
 
@@ -28,6 +29,18 @@ struct Fixture {
   AttentionProblem p;
   ForwardArgs args;
 };
+
+// The warp-specialised forward's tile shape by problem (heuristics.h): masked problems take the
+// masked shape, and at head_dim 128 short unmasked ones too (128-key tiles, no partial tile).
+TEST(Support, HopperForwardShapeFollowsTheMeasurements) {
+  EXPECT_TRUE(Sm90TmaTakesMaskedShape(128, 16384, /*masked=*/true));
+  EXPECT_TRUE(Sm90TmaTakesMaskedShape(128, 512, /*masked=*/false));
+  EXPECT_TRUE(Sm90TmaTakesMaskedShape(128, 1024, /*masked=*/false));
+  EXPECT_FALSE(Sm90TmaTakesMaskedShape(128, 1025, /*masked=*/false));
+  EXPECT_FALSE(Sm90TmaTakesMaskedShape(96, 512, /*masked=*/false));  // not measured
+  EXPECT_EQ(Sm90TmaFusedTileShape(128, /*masked=*/true).block_n, 128);
+  EXPECT_EQ(Sm90TmaFusedTileShape(128, /*masked=*/false).block_n, 176);
+}
 
 Support Fused(Pass pass, const AttentionProblem& p) {
   return EngineSupports(EngineKind::kCudaFused, pass, p);

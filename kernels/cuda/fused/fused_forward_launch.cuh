@@ -61,10 +61,11 @@ cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t 
                                 params);
 }
 
-// The warp-specialised kernel at the shape heuristics.h gives the mask, or at params.block_n
-// when set (a shape compiled for the row: the full and the masked one, which are one at 256).
+// The warp-specialised kernel at the shape heuristics.h gives the problem (its mask and mean
+// keys a sequence), or at params.block_n when set (a shape compiled for the row: the full and
+// the masked one, which are one at 64 and 256).
 template <typename Element, int kHeadDim>
-cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked,
+cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked, int64_t mean_keys,
                                    cudaStream_t stream) {
   constexpr Sm90TmaTileShape kFull = Sm90TmaFusedTileShape(kHeadDim, /*masked=*/false);
   constexpr Sm90TmaTileShape kMasked = Sm90TmaFusedTileShape(kHeadDim, /*masked=*/true);
@@ -72,9 +73,11 @@ cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked
                                                kFull.consumer_warpgroups>;
   using MaskedTraits = FusedForwardSm90TmaTraits<Element, kHeadDim, kMasked.block_n, kMasked.stages,
                                                  kMasked.consumer_warpgroups>;
-  const int block_n = params.block_n != 0 ? params.block_n
-                      : masked            ? kMasked.block_n
-                                          : kFull.block_n;
+  int block_n = params.block_n;
+  if (block_n == 0) {
+    block_n =
+        Sm90TmaTakesMaskedShape(kHeadDim, mean_keys, masked) ? kMasked.block_n : kFull.block_n;
+  }
   if (block_n == kMasked.block_n) return LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream);
   if (block_n == kFull.block_n) return LaunchFusedForwardSm90Tma<FullTraits>(params, stream);
   return cudaErrorNotSupported;
@@ -95,7 +98,8 @@ cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t strea
                                   : params.total_k / std::max(params.batch, 1);
     if (pinned == FusedKernel::kSm90Tma ||
         (pinned == FusedKernel::kAuto && Sm90TmaIsDefault(kHeadDim, mean_keys, masked))) {
-      const cudaError_t err = RunFusedForwardSm90Tma<Element, kHeadDim>(params, masked, stream);
+      const cudaError_t err =
+          RunFusedForwardSm90Tma<Element, kHeadDim>(params, masked, mean_keys, stream);
       // kAuto falls back to the next kernel where this one cannot run.
       if (err != cudaErrorNotSupported || pinned == FusedKernel::kSm90Tma) return err;
     }

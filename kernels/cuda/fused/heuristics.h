@@ -65,6 +65,17 @@ constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
   return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
 }
 
+// Whether a problem runs the masked shape of Sm90TmaFusedTileShape: masked ones, and at
+// head_dim 128 unmasked ones of up to 1024 keys a sequence, where a block has few tiles and the
+// 176-key ones leave a partial last tile (128-key ones divide those lengths). H200, 2026-12-02,
+// 16k tokens, both shapes pinned, two rounds each in one call and one more in a second
+// (docs/cuda-fused.md): 128 keys 1.05-1.06x the 176-key tiles at 512 keys (bf16, fp16), 1.02x
+// at 1024 in fp16 and 0.96-1.07x in bf16 (the 1024 rows swing ±4% between rounds), level at 2048
+// and 4096, 0.98-0.99x from 8192. head_dim 96 shares the shapes but was not measured: 176 stays.
+constexpr bool Sm90TmaTakesMaskedShape(int head_dim, int64_t mean_keys, bool masked) {
+  return masked || (head_dim == 128 && mean_keys <= 1024);
+}
+
 // The FP8 forward (fp8_forward.h, head_dim 128 and 256): 128 keys, so that a tile of the
 // transposed V (head_dim rows of key slots) is one 128-byte column block, the size of a K tile.
 // At 128 three stages of 16 KiB K and V tiles beside Q's 16 KiB take 112 KiB; at 256 two stages
