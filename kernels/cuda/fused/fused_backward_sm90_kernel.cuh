@@ -117,7 +117,7 @@ struct FusedBackwardTmaParams {
   float* dq_accum = nullptr;        // [total_q, num_heads, head_dim]
   int* dq_tile_counters = nullptr;  // deterministic mode: [batch, num_heads, query_tiles]
   int64_t query_tiles = 0;          // per (sequence, head), of kDqCounterRows rows
-  bool aligned_outputs = false;     // dK, dV rows 4-byte aligned for paired stores
+  bool aligned_outputs = false;     // dK, dV rows 16-byte aligned (staged and paired stores)
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
@@ -625,7 +625,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto store_key_gradients = [&] {
     StoreKeyGradients<Element, kHeadDim>(
         params, seq, dk, dv, k0, keys, kv_head, key_row, pair, 0,
-        smem + Traits::kStagingOffset + (threadIdx.x / 32 - 4) * Traits::kWarpStagingBytes);
+        ConsumerWarpStaging(smem + Traits::kStagingOffset, Traits::kWarpStagingBytes));
   };
 
   if (tiles.count > 0) {

@@ -631,7 +631,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 block.head * p.o_head_stride;
     // This warp's 8 rows of the staging buffer.
     [[maybe_unused]] const uint32_t staging =
-        q_tile + Traits::kStagingOffset + (threadIdx.x / 32 - 4) * Traits::kWarpStagingBytes;
+        ConsumerWarpStaging(q_tile + Traits::kStagingOffset, Traits::kWarpStagingBytes);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float l = QuadSum(softmax.l[half]);

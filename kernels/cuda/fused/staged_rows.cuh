@@ -18,6 +18,12 @@ inline constexpr int kStagedRowPitch = kRowBytes + 16;
 template <int kRowBytes>
 inline constexpr int kWarpStagingBytes = 8 * kStagedRowPitch<kRowBytes>;
 
+// The calling consumer warp's buffer among `buffers` (warp_bytes each, one per consumer warp).
+// In the Hopper kernels that use it the producer warpgroup's 4 warps come first and have none.
+__device__ __forceinline__ uint32_t ConsumerWarpStaging(uint32_t buffers, int warp_bytes) {
+  return buffers + (threadIdx.x / 32 - 4) * warp_bytes;
+}
+
 // One pass of 8 rows: rows `half` (0: the lane's quad_row, 1: quad_row + 8) of the warp's
 // 16-row slice `fragment` (flattened [8-column tile][4], as an m64nN accumulator holds it),
 // times `scale`, as 16-bit Output, columns [0, kColumns), to rows[r * row_stride] for the pass's
