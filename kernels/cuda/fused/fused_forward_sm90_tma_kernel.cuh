@@ -10,9 +10,8 @@
 //     thread of which draws the CTA's blocks from the queue, posts them to the consumers and
 //     issues TMA copies: per block Q, and K and V tiles into kStages-deep rings of 128-byte-
 //     swizzled shared-memory stages, each stage a `full` mbarrier (bytes landed) and an `empty`
-//     one (every consumer done with it); Q has the same pair per buffer (one or two, below), so
-//     the next block's Q lands while the consumers finish this one, and the rings run on from
-//     block to block;
+//     one (every consumer done with it); Q has the same pair, so the next block's Q lands
+//     while the consumers finish this one, and the rings run on from block to block;
 //   - two consumer warpgroups (232 registers, 240 at 256; three of 160 at 64) of 64 query rows
 //     each, which take turns on the tensor cores in a ring (named barriers: a warpgroup issues
 //     its MMAs, then hands the turn to the next and runs its softmax while the others' MMAs
@@ -25,14 +24,7 @@
 //       turn j:     S_j = Q K_j^T;  acc += P_{j-1} V_{j-1}      (both queued, asynchronous)
 //                   wait S_j: mask, m, l, alpha, P_j from S_j    (P V still running)
 //                   wait P V: acc *= alpha; P_j to 16 bits
-//       turn T:     S'_0 = Q' K'_0 of the next block;  acc += P_{T-1} V_{T-1}
-//                   wait S'_0: m', l', P'_0 from S'_0            (P V still running)
-//                   wait P V: P'_0 to 16 bits; O = acc / l to memory; acc = 0
-//                   (three consumers: wait both, then O, then P'_0)
-//
-// so that a block boundary costs no turn of its own. The next block's S'_0 needs its Q loaded
-// while this block still reads its own: with one Q buffer (where two do not fit in shared
-// memory) turn T is P V alone, and the next block starts with a turn of S_0 alone.
+//       turn T:     acc += P_{T-1} V_{T-1}
 //
 // P stays in registers as the A operand of P V. Tiles run from the last visible key tile to
 // the first (BlockMask), as in the other kernels. O = acc / l goes to device memory through a
@@ -105,45 +97,23 @@ struct FusedForwardSm90TmaTraits {
   // (0, 1]: fewer of the small probabilities fall below its 2^-9); l carries the same factor,
   // so O = acc / l does not see it, and the LSE takes it out.
   static constexpr int kProbabilityLog2Scale = kFp8 ? 8 : 0;
-  // Q's buffers, the K stages, the V stages, each tile and column block 1024-byte aligned as
-  // the 128-byte swizzle requires; then the mbarriers: per Q buffer a full one, per stage K
-  // full, K empty, V full, V empty, per Q buffer an empty one, and the two block slots' full and
-  // empty; then the two slots, then the epilogue's staging rows.
-  //
+  // Q, the K stages, the V stages, each tile and column block 1024-byte aligned as the 128-byte
+  // swizzle requires; then the mbarriers: Q full, per stage K full, K empty, V full, V empty,
+  // Q empty, and the two block slots' full and empty; then the two slots.
+  static constexpr int kKOffset = kQTileBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
+  static constexpr int kSlotOffset = kBarrierOffset + 8 * (6 + 4 * kStages);
   // The epilogue stages O through 8 rows of shared memory a consumer warp (staged_rows.cuh)
-  // where they fit beside one Q buffer and the stages; elsewhere (head_dim 256 with 80 keys)
-  // each thread stores its fragment from registers, 4 bytes at a time. A second Q buffer, where
-  // it fits as well, lets a block's Q land while the previous block still reads its own, so
-  // that the consumers issue a block's first Q K^T in the turn of the previous block's last
-  // P V (the kernel's loop below); the 176-key shape at head_dim 128 and the 80-key one at 256
-  // have no room and run a block's turns on their own, as does the FP8 kernel at 256, whose
-  // consumers' 128 accumulators leave no registers for the next block's (ptxas spilled 756
-  // bytes, CUDA 13.0).
+  // where they fit beside the stages; elsewhere (head_dim 256 with 80 keys) each thread stores
+  // its fragment from registers, 4 bytes at a time.
+  static constexpr int kStagingOffset = (kSlotOffset + 2 * 4 + 15) / 16 * 16;
   static constexpr int kOutputRowBytes = kHeadDim * static_cast<int>(sizeof(OutputElement));
   static constexpr int kWarpStagingBytes = attn::cuda::kWarpStagingBytes<kOutputRowBytes>;
   static constexpr int kStagingBytes = kConsumerThreads / 32 * kWarpStagingBytes;
-  static constexpr int SmemBytesWith(int q_buffers, bool staged) {
-    const int barrier_offset = q_buffers * kQTileBytes + 2 * kStages * kKVTileBytes;
-    const int slot_offset = barrier_offset + 8 * (2 * q_buffers + 4 * kStages + 4);
-    const int staging_offset = (slot_offset + 2 * 4 + 15) / 16 * 16;
-    return staged ? staging_offset + kStagingBytes : slot_offset + 2 * 4;
-  }
-  static constexpr int kSmemLimit = 227 * 1024;  // Hopper's shared memory per CTA
-  static constexpr bool kStagedEpilogue = SmemBytesWith(1, true) <= kSmemLimit;
-  static constexpr int kQBuffers = kConsumerWarpGroups == 2 && kTileColumns <= 128 &&
-                                           SmemBytesWith(2, kStagedEpilogue) <= kSmemLimit
-                                       ? 2
-                                       : 1;
-  // At a block boundary the next block's first softmax runs beside this block's last P V where
-  // the registers allow it (two consumers); three consumers of 160 registers would spill there
-  // (140 bytes, ptxas of CUDA 13.0) and run it after this block's epilogue.
-  static constexpr bool kBoundarySoftmaxBesideValues = kConsumerWarpGroups == 2;
-  static constexpr int kKOffset = kQBuffers * kQTileBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
-  static constexpr int kSlotOffset = kBarrierOffset + 8 * (2 * kQBuffers + 4 * kStages + 4);
-  static constexpr int kStagingOffset = (kSlotOffset + 2 * 4 + 15) / 16 * 16;
-  static constexpr int kSmemBytes = SmemBytesWith(kQBuffers, kStagedEpilogue);
+  static constexpr bool kStagedEpilogue = kStagingOffset + kStagingBytes <= 227 * 1024;
+  static constexpr int kSmemBytes =
+      kStagedEpilogue ? kStagingOffset + kStagingBytes : kSlotOffset + 2 * 4;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "P V is m64n64, n128 (head_dim 96 and 128) or n256");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 ||
@@ -151,7 +121,7 @@ struct FusedForwardSm90TmaTraits {
                 "S tiles are m64n64, n80, n128, n176 or n192");
   static_assert(kBlockN * 128 % 1024 == 0, "every column block starts 1024-byte aligned");
   static_assert(kStages >= 2, "a stage loads while another is read");
-  static_assert(kSmemBytes <= kSmemLimit, "Hopper's shared memory per CTA");
+  static_assert(kSmemBytes <= 227 * 1024, "Hopper's shared memory per CTA");
   static_assert(sizeof(Element) == 2 ||
                     (kFp8 && (kHeadDim == 128 || kHeadDim == 256) && kBlockN == 128),
                 "16-bit storage, or e4m3 at head_dim 128 or 256 with 128-key tiles (a V^T tile "
@@ -179,41 +149,28 @@ inline constexpr uint32_t kTurnThreads = 256;  // the warpgroup handing over and
 // The mbarriers of the shared-memory tail (Traits::kBarrierOffset).
 template <typename Traits>
 struct Barriers {
-  static constexpr int kQ = Traits::kQBuffers;
-  static constexpr int kStages = Traits::kStages;
   uint32_t base;
-  __device__ __forceinline__ uint32_t q_full(int buffer) const { return base + 8 * buffer; }
-  __device__ __forceinline__ uint32_t k_full(int stage) const { return base + 8 * (kQ + stage); }
+  __device__ __forceinline__ uint32_t q_full() const { return base; }
+  __device__ __forceinline__ uint32_t k_full(int stage) const { return base + 8 * (1 + stage); }
   __device__ __forceinline__ uint32_t k_empty(int stage) const {
-    return base + 8 * (kQ + kStages + stage);
+    return base + 8 * (1 + Traits::kStages + stage);
   }
   __device__ __forceinline__ uint32_t v_full(int stage) const {
-    return base + 8 * (kQ + 2 * kStages + stage);
+    return base + 8 * (1 + 2 * Traits::kStages + stage);
   }
   __device__ __forceinline__ uint32_t v_empty(int stage) const {
-    return base + 8 * (kQ + 3 * kStages + stage);
+    return base + 8 * (1 + 3 * Traits::kStages + stage);
   }
-  __device__ __forceinline__ uint32_t q_empty(int buffer) const {
-    return base + 8 * (kQ + 4 * kStages + buffer);
+  __device__ __forceinline__ uint32_t q_empty() const {
+    return base + 8 * (1 + 4 * Traits::kStages);
   }
   __device__ __forceinline__ uint32_t slot_full(int slot) const {
-    return base + 8 * (2 * kQ + 4 * kStages + slot);
+    return base + 8 * (2 + 4 * Traits::kStages + slot);
   }
   __device__ __forceinline__ uint32_t slot_empty(int slot) const {
-    return base + 8 * (2 * kQ + 4 * kStages + 2 + slot);
+    return base + 8 * (4 + 4 * Traits::kStages + slot);
   }
 };
-
-// The Q buffer of a CTA's q_loads-th Q tile, and the phase parity of that buffer's barriers
-// for it.
-template <typename Traits>
-__device__ __forceinline__ int QBufferOf(int q_loads) {
-  return q_loads % Traits::kQBuffers;
-}
-template <typename Traits>
-__device__ __forceinline__ uint32_t QParityOf(int q_loads) {
-  return static_cast<uint32_t>((q_loads / Traits::kQBuffers) & 1);
-}
 
 // The producer's thread 0 draws each block's place in the queue (QueryBlockOrder) and posts it
 // to the consumers through two shared-memory slots, taken in turn, each with a `full` and an
@@ -404,32 +361,17 @@ struct DenseKvTiles {
   }
 };
 
-// Whether a query block gives the consumers work: it starts inside its sequence and sees at
-// least one key tile. The producer loads Q and tiles only for such blocks, and the consumers
-// queue a block's first Q K^T in the previous block's last turn only for such blocks.
-template <typename Traits>
-__device__ __forceinline__ bool BlockHasTiles(const FusedForwardParams& p,
-                                              const QueryBlock<Traits::kBlockM>& block) {
-  if (block.empty()) return false;
-  const BlockMask<Traits::kBlockN> mask(p, block.seq, block.row0, block.rows());
-  return mask.n_block_max > mask.n_block_min;
-}
-
 // The producer: for each query block it draws and posts, its K and V tiles in the order the
 // consumers finish with them (K_0, K_1, V_0, K_2, V_1, ...), each into the next stage of its
-// ring once both consumers have released that stage, and its Q into the next of the Q buffers
-// once the consumers' last Q K^T of the block before that used the buffer is done. With one
-// buffer Q follows K_0, which can usually go before the previous block's last Q K^T is done.
-// With two the next block's Q goes a tile after the next block is drawn, inside this block's
-// loads: the consumers need it in this block's last turn, and issued after this block's last
-// loads it arrived late (ncu: 5.7% of the stall samples on its barrier, bf16, d 128, 512 keys).
+// ring once both consumers have released that stage, and Q after K_0: Q's buffer is free once
+// both consumers' last Q K^T of the previous block is done, and K_0 can usually go before that.
 // The rings' positions run on across blocks. Every producer thread of the source runs it;
 // thread 0 draws, posts and issues Q's copies.
 template <typename Traits, typename Source>
 __device__ __forceinline__ void ProduceTiles(const typename Source::Params& params,
                                              const QueryBlockOrder& order,
                                              const Barriers<Traits>& bars, int* slots,
-                                             uint32_t q_tiles, uint32_t k_tiles, uint32_t v_tiles) {
+                                             uint32_t q_tile, uint32_t k_tiles, uint32_t v_tiles) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   const bool leader = threadIdx.x == 0;
@@ -438,26 +380,8 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
     tma::PrefetchTensorMap(&params.k_map);
     tma::PrefetchTensorMap(&params.v_map);
   }
-  // Q of the q_index-th block with tiles into its buffer, once the buffer is free.
-  const auto load_q = [&](const QueryBlock<kBlockM>& block, int q_index) {
-    const int buffer = QBufferOf<Traits>(q_index);
-    if (q_index >= Traits::kQBuffers) {
-      tma::Wait(bars.q_empty(buffer), QParityOf<Traits>(q_index) ^ 1);
-    }
-    if (leader) {
-      const QueryTileAt q = QueryTileOf(params.p, block);
-      const uint32_t q_tile = q_tiles + buffer * Traits::kQTileBytes;
-      tma::ArriveExpectBytes(bars.q_full(buffer), Traits::kQTileBytes);
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-        tma::Load4d(q_tile + cb * kBlockM * 128, &params.q_map, bars.q_full(buffer),
-                    cb * Traits::kBlockColumns, q.row, q.head, q.sequence);
-      }
-    }
-  };
-  int ring = 0;           // K (and V) tiles loaded before this block's
-  int q_loads = 0;        // Q tiles loaded before this block's
-  bool q_loaded = false;  // this block's Q went out during the previous block's loads
+  int ring = 0;     // K (and V) tiles loaded before this block's
+  int q_loads = 0;  // Q tiles loaded before this block's
   // The next block's place is drawn when this block's K tile kDrawAheadTiles before its last is
   // issued (at once for shorter blocks): late enough that a CTA does not hold on to a block
   // another CTA could start sooner (drawn at the post, heavy causal blocks waited behind heavy
@@ -492,38 +416,22 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
         source.LoadValues(v_tiles + stage * Traits::kKVTileBytes, bars.v_full(stage),
                           (n_block_last - it) * kBlockN);
       };
-      // With two Q buffers: the next block's Q, where the next block has tiles (the
-      // consumers' test for queueing its first Q K^T in this block's last turn is the same).
-      bool next_q_loaded = false;
-      const int next_q_at = (draw_at < 1 ? 0 : draw_at) + 1;  // after this tile's K, V_{it-1}
-      const auto load_next_q = [&] {
-        if constexpr (Traits::kQBuffers > 1) {
-          int next_place = next;
-          if constexpr (Source::kProducerThreads > 1) {
-            next_place = __shfl_sync(0xffffffffu, next_place, 0);
-          }
-          if (next_place < order.total) {
-            const QueryBlockIndex next_at = order[next_place];
-            const QueryBlock<kBlockM> next_block(params.p, next_at.m_block, next_at.head,
-                                                 next_at.batch);
-            if (BlockHasTiles<Traits>(params.p, next_block)) {
-              load_q(next_block, q_loads + 1);
-              next_q_loaded = true;
-            }
-          }
-        }
-      };
       load_k(0);
-      if (!q_loaded) load_q(block, q_loads);
+      if (q_loads > 0) tma::Wait(bars.q_empty(), (q_loads - 1) & 1);
+      if (leader) {
+        tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
+          tma::Load4d(q_tile + cb * kBlockM * 128, &params.q_map, bars.q_full(),
+                      cb * Traits::kBlockColumns, source.q.row, source.q.head, source.q.sequence);
+        }
+      }
       for (int it = 1; it < num_tiles; ++it) {
         load_k(it);
         if (leader && it == draw_at) next = DrawQueryBlock(params.p.tile_counters);
         load_v(it - 1);
-        if (it == next_q_at) load_next_q();
       }
       load_v(num_tiles - 1);
-      if (next_q_at >= num_tiles) load_next_q();
-      q_loaded = next_q_loaded;
       ring += num_tiles;
       ++q_loads;
     }
@@ -551,19 +459,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Named as in the other Hopper kernels: one name for the 1024-byte-aligned dynamic tile
   // in a translation unit, where the portable kernel declares its own, 128-byte-aligned.
   extern __shared__ __align__(1024) unsigned char swizzled_smem[];
-  const uint32_t q_tiles = ptx::SharedAddress(swizzled_smem);
-  const uint32_t k_tiles = q_tiles + Traits::kKOffset;
-  const uint32_t v_tiles = q_tiles + Traits::kVOffset;
-  const Barriers<Traits> bars{q_tiles + Traits::kBarrierOffset};
+  const uint32_t q_tile = ptx::SharedAddress(swizzled_smem);
+  const uint32_t k_tiles = q_tile + Traits::kKOffset;
+  const uint32_t v_tiles = q_tile + Traits::kVOffset;
+  const Barriers<Traits> bars{q_tile + Traits::kBarrierOffset};
   int* const slots = reinterpret_cast<int*>(swizzled_smem + Traits::kSlotOffset);
 
   if (threadIdx.x == 0) {
-#pragma unroll
-    for (int buffer = 0; buffer < Traits::kQBuffers; ++buffer) {
-      tma::InitBarrier(bars.q_full(buffer), 1);
-      // One arrival per consumer warp, as the stages' empty barriers.
-      tma::InitBarrier(bars.q_empty(buffer), kConsumerThreads / 32);
-    }
+    tma::InitBarrier(bars.q_full(), 1);
+    // One arrival per consumer warp, as the stages' empty barriers.
+    tma::InitBarrier(bars.q_empty(), kConsumerThreads / 32);
 #pragma unroll
     for (int slot = 0; slot < 2; ++slot) {
       tma::InitBarrier(bars.slot_full(slot), 1);
@@ -584,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warp_group == 0) {
     tma::ReleaseRegisters<Traits::kProducerRegisters>();
     if (threadIdx.x < Source::kProducerThreads) {
-      ProduceTiles<Traits, Source>(params, order, bars, slots, q_tiles, k_tiles, v_tiles);
+      ProduceTiles<Traits, Source>(params, order, bars, slots, q_tile, k_tiles, v_tiles);
     }
     return;
   }
@@ -596,10 +501,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int quad_row = lane / 4;
   const int quad_col = lane % 4;
   const int local_row = consumer * 64 + warp * 16 + quad_row;  // + 8 for the second row
-  // The warpgroup's 64 rows of the Q tile of a CTA's q_loads-th block.
-  const auto q_rows_of = [&](int q_loads) {
-    return q_tiles + QBufferOf<Traits>(q_loads) * Traits::kQTileBytes + consumer * 64 * 128;
-  };
+  const uint32_t q_rows = q_tile + consumer * 64 * 128;
   // A stage (or Q) is released by one lane of each warp once the warpgroup's MMAs reading it
   // are done.
   const auto release = [&](uint32_t empty) {
@@ -626,40 +528,113 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // took its turn.
   if (consumer == 0) tma::NamedBarrierArrive(my_turn, kTurnThreads);
 
-  // The accumulators, scores, P and the row statistics outlive a block: with two Q buffers the
-  // consumers queue a block's first S = Q K^T in the previous block's last turn, beside that
-  // block's last P V, and turn it into P before that block's epilogue, so that neither product
-  // runs alone on the tensor cores at a block boundary.
-  float acc[1][kDTiles][4];
-  auto& acc_flat = reinterpret_cast<float(&)[Traits::kTileColumns / 2]>(acc[0]);
-  uint32_t p_frag[Traits::kPSteps][4];
-  float alpha[2];
-  OnlineSoftmax<1, kNTiles, kDTiles> softmax;
-  const auto clear_accumulators = [&] {
+  int ring = 0;     // K/V tiles of the blocks before this one: the rings' position
+  int q_loads = 0;  // Q tiles of the blocks before this one
+  for (int step = 0;; ++step) {
+    const int place = ReadQueryBlockSlot(bars, slots, step);
+    if (place >= order.total) break;
+    const QueryBlockIndex at = order[place];
+    const QueryBlock<kBlockM> block(p, at.m_block, at.head, at.batch);
+    if (block.empty()) continue;
+    const SequenceView<int>& seq = block.seq;
+    const int row0 = block.row0;
+    const int rows_in_block = block.rows();
+    const BlockMask<kBlockN> mask(p, seq, row0, rows_in_block);
+    const int n_block_last = mask.n_block_max - 1;
+    const int num_tiles = mask.n_block_max - mask.n_block_min;
+    const int thread_row_pos = row0 + local_row + mask.shift;
+
+    float acc[1][kDTiles][4];
 #pragma unroll
     for (int dj = 0; dj < kDTiles; ++dj)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[0][dj][e] = 0.f;
-  };
+    auto& acc_flat = reinterpret_cast<float(&)[Traits::kTileColumns / 2]>(acc[0]);
+    float s[1][kNTiles][4];
+    auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
+    uint32_t p_frag[Traits::kPSteps][4];
+    float alpha[2];
+    OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+    softmax.Init();
 
-  // O = acc / l (0 for rows that saw no key), the rows inside the sequence and the head_dim
-  // columns of each; staged through the warp's shared-memory rows where the traits have them (a
-  // quad's 16 contiguous bytes of a row at a time otherwise cost the store unit twice the
-  // sectors). Staging in a Q buffer instead would hold it past the block's last Q K^T, and the
-  // next Q load behind this epilogue. m and l are the block's row statistics.
-  using Output = typename Traits::OutputElement;
-  [[maybe_unused]] const uint32_t staging =  // this warp's 8 rows of the staging buffer
-      ConsumerWarpStaging(q_tiles + Traits::kStagingOffset, Traits::kWarpStagingBytes);
-  const auto store_block = [&](const QueryBlock<kBlockM>& block,
-                               const float(&fragment)[Traits::kTileColumns / 2], const float(&m)[2],
-                               const float(&l_partial)[2]) {
-    const int rows_in_block = block.rows();
+    // S of tile `it` (landed in s) to P, with the mask where the tile needs one.
+    const auto scores_to_probabilities = [&](int it) {
+      const int key0 = (n_block_last - it) * kBlockN;
+      if (mask.TileNeedsMask(key0))
+        mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
+      softmax.template UpdateStatistics<Traits::kProbabilityLog2Scale>(s, scale_log2, alpha);
+    };
+
+    if (num_tiles > 0) {
+      tma::Wait(bars.q_full(), q_loads & 1);
+
+      tma::Wait(bars.k_full(StageOf<kStages>(ring)), ParityOf<kStages>(ring));
+      tma::NamedBarrierSync(my_turn, kTurnThreads);
+      wgmma::Fence();
+      IssueScores<Traits>(s_flat, q_rows, k_tiles + StageOf<kStages>(ring) * Traits::kKVTileBytes);
+      wgmma::CommitGroup();
+      tma::NamedBarrierArrive(next_turn, kTurnThreads);
+      wgmma::WaitGroup<0>();
+      wgmma::FenceOperands(s_flat);
+      release(bars.k_empty(StageOf<kStages>(ring)));
+      if (num_tiles == 1) release(bars.q_empty());
+      scores_to_probabilities(0);  // acc is still 0: no rescale
+      PackProbabilities<Traits>(s[0], p_frag);
+
+      for (int it = 1; it < num_tiles; ++it) {
+        const int stage = StageOf<kStages>(ring + it);
+        const int previous = StageOf<kStages>(ring + it - 1);
+        tma::Wait(bars.k_full(stage), ParityOf<kStages>(ring + it));
+        tma::Wait(bars.v_full(previous), ParityOf<kStages>(ring + it - 1));
+        tma::NamedBarrierSync(my_turn, kTurnThreads);
+        wgmma::Fence();
+        IssueScores<Traits>(s_flat, q_rows, k_tiles + stage * Traits::kKVTileBytes);
+        wgmma::CommitGroup();
+        IssueValues<Traits>(acc_flat, p_frag, v_tiles + previous * Traits::kKVTileBytes);
+        wgmma::CommitGroup();
+        tma::NamedBarrierArrive(next_turn, kTurnThreads);
+        wgmma::WaitGroup<1>();  // S of this tile; P V of the last still running
+        wgmma::FenceOperands(s_flat);
+        release(bars.k_empty(stage));
+        // The block's last Q K^T is done: the producer may load the next block's Q.
+        if (it == num_tiles - 1) release(bars.q_empty());
+        scores_to_probabilities(it);
+        wgmma::WaitGroup<0>();
+        wgmma::FenceOperands(acc_flat);
+        release(bars.v_empty(previous));
+        softmax.Rescale(acc, alpha);
+        PackProbabilities<Traits>(s[0], p_frag);
+      }
+
+      const int last = StageOf<kStages>(ring + num_tiles - 1);
+      tma::Wait(bars.v_full(last), ParityOf<kStages>(ring + num_tiles - 1));
+      tma::NamedBarrierSync(my_turn, kTurnThreads);
+      wgmma::Fence();
+      IssueValues<Traits>(acc_flat, p_frag, v_tiles + last * Traits::kKVTileBytes);
+      wgmma::CommitGroup();
+      tma::NamedBarrierArrive(next_turn, kTurnThreads);
+      wgmma::WaitGroup<0>();
+      wgmma::FenceOperands(acc_flat);
+      release(bars.v_empty(last));
+      ring += num_tiles;
+      ++q_loads;
+    }
+
+    // Epilogue: O = acc / l (0 for rows that saw no key), the rows inside the sequence and the
+    // head_dim columns of each; staged through the warp's shared-memory rows where the traits
+    // have them (a quad's 16 contiguous bytes of a row at a time otherwise cost the store unit
+    // twice the sectors). Staging in Q's buffer instead would hold it past the block's last
+    // Q K^T, and the next block's Q load behind this epilogue.
+    using Output = typename Traits::OutputElement;
     float* lse = block.lse(p);
-    Output* o = static_cast<Output*>(p.o) + (block.seq.q_start + block.row0) * p.o_token_stride +
+    Output* o = static_cast<Output*>(p.o) + (seq.q_start + row0) * p.o_token_stride +
                 block.head * p.o_head_stride;
+    // This warp's 8 rows of the staging buffer.
+    [[maybe_unused]] const uint32_t staging =
+        ConsumerWarpStaging(q_tile + Traits::kStagingOffset, Traits::kWarpStagingBytes);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float l = QuadSum(l_partial[half]);
+      float l = QuadSum(softmax.l[half]);
       float inv_l = InverseRowSum(l);
       if constexpr (Traits::kFp8) {
         inv_l *= value_scale;
@@ -668,173 +643,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int row = local_row + half * 8;
       if constexpr (Traits::kStagedEpilogue) {
         const int first_row = local_row - quad_row + half * 8;  // of the warp's 8 in this pass
-        StoreStagedRows<Output, kHeadDim>(fragment, half, inv_l, staging,
+        StoreStagedRows<Output, kHeadDim>(acc_flat, half, inv_l, staging,
                                           o + first_row * p.o_token_stride, p.o_token_stride,
                                           rows_in_block - first_row, lane);
       } else if (row < rows_in_block) {
         Output* o_row = o + row * p.o_token_stride + quad_col * 2;
 #pragma unroll
         for (int dj = 0; dj < kHeadDim / 8; ++dj) {
-          *reinterpret_cast<uint32_t*>(o_row + dj * 8) = ptx::PackPair<Output>(
-              fragment[dj * 4 + 2 * half] * inv_l, fragment[dj * 4 + 2 * half + 1] * inv_l);
+          *reinterpret_cast<uint32_t*>(o_row + dj * 8) =
+              ptx::PackPair<Output>(acc[0][dj][2 * half] * inv_l, acc[0][dj][2 * half + 1] * inv_l);
         }
       }
       if (row < rows_in_block && lse != nullptr && quad_col == 0) {
         // 16-bit: p.scale re-read from parameter space rather than kept live in a register.
-        lse[row] = RowLse(m[half], l, Traits::kFp8 ? score_scale : p.scale);
+        lse[row] = RowLse(softmax.m[half], l, Traits::kFp8 ? score_scale : p.scale);
       }
     }
-  };
-
-  int ring = 0;     // K/V tiles of the blocks before this one: the rings' position
-  int q_loads = 0;  // Q tiles of the blocks before this one
-  // This block's S_0 was queued in the previous block's last turn; its P is in p_frag and its
-  // row statistics in softmax.
-  bool first_scores_done = false;
-  int place = ReadQueryBlockSlot(bars, slots, 0);
-  for (int step = 0; place < order.total; ++step) {
-    const QueryBlockIndex at = order[place];
-    const QueryBlock<kBlockM> block(p, at.m_block, at.head, at.batch);
-    int next_place = -1;  // the next block's place, once read
-    // Scores are a block's own (declared here, so that none stay live into the next block): the
-    // next block's S_0 is packed into p_frag inside this block's last turn.
-    float s[1][kNTiles][4];
-    auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
-    // S of tile `it` of a block (landed in s) to P, with the mask where the tile needs one.
-    const auto scores_to_probabilities = [&](const BlockMask<kBlockN>& mask, int it,
-                                             int thread_row_pos) {
-      const int key0 = (mask.n_block_max - 1 - it) * kBlockN;
-      if (mask.TileNeedsMask(key0))
-        mask.template Apply<kNTiles>(s[0], key0, thread_row_pos, quad_col);
-      softmax.template UpdateStatistics<Traits::kProbabilityLog2Scale>(s, scale_log2, alpha);
-    };
-    if (!block.empty()) {
-      const BlockMask<kBlockN> mask(p, block.seq, block.row0, block.rows());
-      const int num_tiles = mask.n_block_max - mask.n_block_min;
-      const int thread_row_pos = block.row0 + local_row + mask.shift;
-      if (num_tiles == 0) {
-        // No key: O = 0, LSE = -inf, from zeros of its own rather than acc (every store of acc
-        // is one place in the code, so that acc keeps its registers).
-        float zeros[Traits::kTileColumns / 2];
-#pragma unroll
-        for (int i = 0; i < Traits::kTileColumns / 2; ++i) zeros[i] = 0.f;
-        const float no_max[2] = {-INFINITY, -INFINITY};
-        const float no_sum[2] = {0.f, 0.f};
-        store_block(block, zeros, no_max, no_sum);
-      } else {
-        const uint32_t q_rows = q_rows_of(q_loads);
-        clear_accumulators();
-        if (Traits::kQBuffers == 1 || !first_scores_done) {
-          softmax.Init();
-          tma::Wait(bars.q_full(QBufferOf<Traits>(q_loads)), QParityOf<Traits>(q_loads));
-          tma::Wait(bars.k_full(StageOf<kStages>(ring)), ParityOf<kStages>(ring));
-          tma::NamedBarrierSync(my_turn, kTurnThreads);
-          wgmma::Fence();
-          IssueScores<Traits>(s_flat, q_rows,
-                              k_tiles + StageOf<kStages>(ring) * Traits::kKVTileBytes);
-          wgmma::CommitGroup();
-          tma::NamedBarrierArrive(next_turn, kTurnThreads);
-          wgmma::WaitGroup<0>();
-          wgmma::FenceOperands(s_flat);
-          release(bars.k_empty(StageOf<kStages>(ring)));
-          if (num_tiles == 1) release(bars.q_empty(QBufferOf<Traits>(q_loads)));
-          scores_to_probabilities(mask, 0, thread_row_pos);  // acc is still 0: no rescale
-          PackProbabilities<Traits>(s[0], p_frag);
-        }
-
-        for (int it = 1; it < num_tiles; ++it) {
-          const int stage = StageOf<kStages>(ring + it);
-          const int previous = StageOf<kStages>(ring + it - 1);
-          tma::Wait(bars.k_full(stage), ParityOf<kStages>(ring + it));
-          tma::Wait(bars.v_full(previous), ParityOf<kStages>(ring + it - 1));
-          tma::NamedBarrierSync(my_turn, kTurnThreads);
-          wgmma::Fence();
-          IssueScores<Traits>(s_flat, q_rows, k_tiles + stage * Traits::kKVTileBytes);
-          wgmma::CommitGroup();
-          IssueValues<Traits>(acc_flat, p_frag, v_tiles + previous * Traits::kKVTileBytes);
-          wgmma::CommitGroup();
-          tma::NamedBarrierArrive(next_turn, kTurnThreads);
-          wgmma::WaitGroup<1>();  // S of this tile; P V of the last still running
-          wgmma::FenceOperands(s_flat);
-          release(bars.k_empty(stage));
-          // The block's last Q K^T is done: the producer may load a later block's Q here.
-          if (it == num_tiles - 1) release(bars.q_empty(QBufferOf<Traits>(q_loads)));
-          scores_to_probabilities(mask, it, thread_row_pos);
-          wgmma::WaitGroup<0>();
-          wgmma::FenceOperands(acc_flat);
-          release(bars.v_empty(previous));
-          softmax.Rescale(acc, alpha);
-          PackProbabilities<Traits>(s[0], p_frag);
-        }
-
-        // The last turn: acc += P V of the last tile, and beside it the next block's S_0
-        // where the next block has tiles and its Q a buffer of its own (the producer's test
-        // for loading that Q early is the same, BlockHasTiles).
-        const int last = StageOf<kStages>(ring + num_tiles - 1);
-        const int first = StageOf<kStages>(ring + num_tiles);  // the next block's K_0
-        bool next_scores = false;
-        BlockMask<kBlockN> next_mask = mask;
-        int next_row_pos = 0;
-        if constexpr (Traits::kQBuffers > 1) {
-          next_place = ReadQueryBlockSlot(bars, slots, step + 1);
-          if (next_place < order.total) {
-            const QueryBlockIndex next_at = order[next_place];
-            const QueryBlock<kBlockM> next(p, next_at.m_block, next_at.head, next_at.batch);
-            if (!next.empty()) {
-              next_mask = BlockMask<kBlockN>(p, next.seq, next.row0, next.rows());
-              next_scores = next_mask.n_block_max > next_mask.n_block_min;
-              next_row_pos = next.row0 + local_row + next_mask.shift;
-            }
-          }
-        }
-        if (next_scores) {
-          tma::Wait(bars.q_full(QBufferOf<Traits>(q_loads + 1)), QParityOf<Traits>(q_loads + 1));
-          tma::Wait(bars.k_full(first), ParityOf<kStages>(ring + num_tiles));
-        }
-        tma::Wait(bars.v_full(last), ParityOf<kStages>(ring + num_tiles - 1));
-        tma::NamedBarrierSync(my_turn, kTurnThreads);
-        // This block's row statistics, for its epilogue; softmax goes on with the next block's.
-        const float m[2] = {softmax.m[0], softmax.m[1]};
-        const float l[2] = {softmax.l[0], softmax.l[1]};
-        // Each branch waits for all of its MMAs: ptxas serialises every wgmma of the kernel
-        // (C7514) when MMAs issued under a branch are still in flight where the paths join.
-        if (next_scores) {
-          wgmma::Fence();
-          IssueScores<Traits>(s_flat, q_rows_of(q_loads + 1),
-                              k_tiles + first * Traits::kKVTileBytes);
-          wgmma::CommitGroup();
-          IssueValues<Traits>(acc_flat, p_frag, v_tiles + last * Traits::kKVTileBytes);
-          wgmma::CommitGroup();
-          tma::NamedBarrierArrive(next_turn, kTurnThreads);
-          wgmma::WaitGroup<1>();  // the next block's S_0; this block's P V still running
-          wgmma::FenceOperands(s_flat);
-          release(bars.k_empty(first));
-          if (next_mask.n_block_max - next_mask.n_block_min == 1) {
-            release(bars.q_empty(QBufferOf<Traits>(q_loads + 1)));
-          }
-          if constexpr (!Traits::kBoundarySoftmaxBesideValues) wgmma::WaitGroup<0>();
-          softmax.Init();
-          scores_to_probabilities(next_mask, 0, next_row_pos);
-          wgmma::WaitGroup<0>();
-          wgmma::FenceOperands(acc_flat);
-        } else {
-          wgmma::Fence();
-          IssueValues<Traits>(acc_flat, p_frag, v_tiles + last * Traits::kKVTileBytes);
-          wgmma::CommitGroup();
-          tma::NamedBarrierArrive(next_turn, kTurnThreads);
-          wgmma::WaitGroup<0>();
-          wgmma::FenceOperands(acc_flat);
-        }
-        release(bars.v_empty(last));
-        // P'_0 into p_frag before the epilogue, so that the scores are not live beside acc there.
-        if (next_scores) PackProbabilities<Traits>(s[0], p_frag);
-        store_block(block, acc_flat, m, l);
-        first_scores_done = next_scores;
-        ring += num_tiles;
-        ++q_loads;
-      }
-    }
-    place = next_place >= 0 ? next_place : ReadQueryBlockSlot(bars, slots, step + 1);
   }
   if (consumer == 0) tma::NamedBarrierSync(my_turn, kTurnThreads);
 #endif  // ATTN_WGMMA_AVAILABLE
