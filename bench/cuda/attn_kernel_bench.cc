@@ -7,12 +7,13 @@
 // Flags (comma lists): --dtype=bf16,fp16 --d=64,128 --n=512,...,16384 --causal=0,1
 //   --engine=fused,naive --min_ms=100 --warmup_ms=25 --max_repeats=200 --tokens=16384
 //   --head_width=2048 --workspace_limit_gb=8 --pass=fwd|bwd
-//   --kernel=auto,portable,sm90_lockstep,sm90_tma --block_n=0,... --ctas=0,...
-// --kernel pins the fused forward's kernel (each listed one is timed; default auto) and
-// --block_n the TMA kernel's tile width (0: the heuristic's); a pinned row's engine is named
-// fused_<kernel>[_n<block_n>][_c<ctas>], so that bench/sdpa_anchor.py's `fused` column stays
-// kAuto; --ctas the TMA kernel's persistent CTAs (0: one an SM; more than the query blocks: one
-// CTA a block, as a non-persistent grid).
+//   --kernel=auto,portable,sm90_lockstep,sm90_tma --block_n=0,... --consumers=0,... --ctas=0,...
+// --kernel pins the fused forward's kernel (each listed one is timed; default auto), --block_n
+// and --consumers the TMA kernel's tile width and consumer warpgroups (0: the heuristic's; at
+// head_dim 64 both shapes have 128 keys and differ in their consumers); a pinned row's engine
+// is named fused_<kernel>[_n<block_n>][_w<consumers>][_c<ctas>], so that bench/sdpa_anchor.py's
+// `fused` column stays kAuto; --ctas the TMA kernel's persistent CTAs (0: one an SM; more than
+// the query blocks: one CTA a block, as a non-persistent grid).
 // --pass=bwd times Engine::Backward (dQ, dK, dV from Q, K, V, O, dO and the LSE of a fused
 // forward on the same inputs) and counts 2.5x the forward's FLOPs (five products instead of two);
 // with --deterministic=1 it asks for deterministic mode (BackwardArgs::deterministic) and names
@@ -56,6 +57,7 @@ struct Flags {
   std::vector<EngineKind> engines{EngineKind::kCudaFused, EngineKind::kCudaNaive};
   std::vector<cuda::FusedKernel> kernels{cuda::FusedKernel::kAuto};
   std::vector<int> block_ns{0};
+  std::vector<int> consumers{0};
   std::vector<int> ctas{0};
   double min_ms = 100, warmup_ms = 25;
   int max_repeats = 200;
@@ -162,6 +164,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       ATTN_RETURN_IF_ERROR(ParseList(value, f.kernels, ParseKernel));
     } else if (name == "block_n") {
       ATTN_RETURN_IF_ERROR(ParseList(value, f.block_ns, ParseInt));
+    } else if (name == "consumers") {
+      ATTN_RETURN_IF_ERROR(ParseList(value, f.consumers, ParseInt));
     } else if (name == "ctas") {
       ATTN_RETURN_IF_ERROR(ParseList(value, f.ctas, ParseInt));
     } else if (name == "min_ms") {
@@ -195,7 +199,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     }
   }
   if (f.dtypes.empty() || f.dims.empty() || f.lengths.empty() || f.causal.empty() ||
-      f.engines.empty() || f.kernels.empty() || f.block_ns.empty() || f.ctas.empty()) {
+      f.engines.empty() || f.kernels.empty() || f.block_ns.empty() || f.consumers.empty() ||
+      f.ctas.empty()) {
     return absl::InvalidArgumentError("every list flag needs at least one value");
   }
   return f;
@@ -239,13 +244,14 @@ double Median(std::vector<float> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// The fused engine with `kernel` pinned (and the TMA kernel's block_n and persistent CTAs), any
-// other as created.
+// The fused engine with `kernel` pinned (and the TMA kernel's block_n, consumers and persistent
+// CTAs), any other as created.
 struct EngineChoice {
   EngineKind kind;
   cuda::FusedKernel kernel = cuda::FusedKernel::kAuto;
   int block_n = 0;
   int ctas = 0;
+  int consumers = 0;
 
   std::string Name() const {
     std::string name = std::string(EngineKindName(kind)).substr(5);
@@ -254,6 +260,7 @@ struct EngineChoice {
     }
     absl::StrAppend(&name, "_", KernelNameOf(kernel));
     if (block_n != 0) absl::StrAppend(&name, "_n", block_n);
+    if (consumers != 0) absl::StrAppend(&name, "_w", consumers);
     if (ctas != 0) absl::StrAppend(&name, "_c", ctas);
     return name;
   }
@@ -314,8 +321,8 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, D
   options.workspace_limit_bytes = static_cast<int64_t>(f.workspace_limit_gb * (1ll << 30));
   std::unique_ptr<Engine> engine;
   if (kind == EngineKind::kCudaFused) {
-    ATTN_ASSIGN_OR_RETURN(
-        engine, MakeCudaFusedEngine(options, choice.kernel, {}, choice.block_n, choice.ctas));
+    ATTN_ASSIGN_OR_RETURN(engine, MakeCudaFusedEngine(options, choice.kernel, {}, choice.block_n,
+                                                      choice.ctas, choice.consumers));
   } else {
     ATTN_ASSIGN_OR_RETURN(engine, CreateEngine(kind, options));
   }
@@ -594,7 +601,11 @@ absl::Status Run(const Flags& f) {
                   continue;
                 }
                 for (int block_n : f.block_ns) {
-                  for (int ctas : f.ctas) choices.push_back({kind, kernel, block_n, ctas});
+                  for (int consumers : f.consumers) {
+                    for (int ctas : f.ctas) {
+                      choices.push_back({kind, kernel, block_n, ctas, consumers});
+                    }
+                  }
                 }
               }
             }

@@ -99,11 +99,12 @@ class CudaFusedEngine final : public Engine {
  public:
   CudaFusedEngine(const EngineOptions& options, cuda::FusedKernel kernel,
                   const cuda::PagedOverrides& paged, const cuda::PagedDevice& device,
-                  int forward_block_n, int forward_ctas)
+                  int forward_block_n, int forward_ctas, int forward_consumers)
       : options_(options),
         kernel_(kernel),
         forward_block_n_(forward_block_n),
         forward_ctas_(forward_ctas),
+        forward_consumers_(forward_consumers),
         paged_(paged),
         device_(device) {}
 
@@ -184,6 +185,7 @@ class CudaFusedEngine final : public Engine {
                        params);
     params.kernel = kernel_;
     params.block_n = forward_block_n_;
+    params.consumer_warpgroups = forward_consumers_;
     params.persistent_ctas = forward_ctas_;
     ATTN_ASSIGN_OR_RETURN(params.tile_counters, ZeroedCounters(kTileCounters));
     return cuda::LaunchFusedForward(params, stream);
@@ -258,6 +260,7 @@ class CudaFusedEngine final : public Engine {
   cuda::FusedKernel kernel_;
   int forward_block_n_;
   int forward_ctas_;
+  int forward_consumers_;
   cuda::PagedOverrides paged_;
   cuda::PagedDevice device_;
   cuda::WorkspacePool pool_;
@@ -270,11 +273,12 @@ class CudaFusedEngine final : public Engine {
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(const EngineOptions& options,
                                                             cuda::FusedKernel kernel,
                                                             const cuda::PagedOverrides& paged,
-                                                            int forward_block_n, int forward_ctas) {
+                                                            int forward_block_n, int forward_ctas,
+                                                            int forward_consumers) {
   ATTN_RETURN_IF_ERROR(cuda::CheckDevice("cuda_fused", options.device));
   ATTN_ASSIGN_OR_RETURN(const cuda::PagedDevice device, QueryPagedDevice(options.device));
-  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(options, kernel, paged, device,
-                                                                   forward_block_n, forward_ctas));
+  return std::unique_ptr<Engine>(std::make_unique<CudaFusedEngine>(
+      options, kernel, paged, device, forward_block_n, forward_ctas, forward_consumers));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options) {

@@ -15,12 +15,13 @@ namespace attn {
 // `kernel` pins one forward kernel (tests and benchmarks: kPortable, the mma.sync kernel, on
 // Hopper too; kSm90Lockstep or kSm90Tma); `paged` forces the paged forward's kernel or split
 // count instead of its heuristics (tests, and benchmarks that measure the heuristics);
-// `forward_block_n` runs the TMA kernel at one of its compiled tile widths
-// (FusedForwardParams::block_n), `forward_ctas` on that many persistent CTAs
-// (FusedForwardParams::persistent_ctas; the paged prefill's TMA kernel too).
+// `forward_block_n` and `forward_consumers` run the TMA kernel at one of its compiled shapes
+// (FusedForwardParams::block_n and consumer_warpgroups), `forward_ctas` on that many persistent
+// CTAs (FusedForwardParams::persistent_ctas; the paged prefill's TMA kernel too).
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaFusedEngine(
     const EngineOptions& options, cuda::FusedKernel kernel = cuda::FusedKernel::kAuto,
-    const cuda::PagedOverrides& paged = {}, int forward_block_n = 0, int forward_ctas = 0);
+    const cuda::PagedOverrides& paged = {}, int forward_block_n = 0, int forward_ctas = 0,
+    int forward_consumers = 0);
 absl::StatusOr<std::unique_ptr<Engine>> MakeCudaNaiveEngine(const EngineOptions& options);
 
 // EngineAvailable and EngineSupports for kCudaFused and kCudaNaive.

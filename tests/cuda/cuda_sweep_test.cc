@@ -329,7 +329,8 @@ INSTANTIATE_TEST_SUITE_P(Backward256, CudaSweepTest, ::testing::ValuesIn(Backwar
 // table has no such kernel (the lockstep one at head_dim 96 and 256).
 class CudaHopperKernelTest : public CudaSweepTest {
  protected:
-  void RunPinned(cuda::FusedKernel kernel, int block_n, int persistent_ctas = 0) {
+  // `shape` pins the TMA kernel's tile width and consumers (both 0 for the lockstep kernel).
+  void RunPinned(cuda::FusedKernel kernel, cuda::Sm90TmaTileShape shape, int persistent_ctas = 0) {
     const SweepCase& c = GetParam();
     const AttentionProblem& p = c.problem;
     const uint8_t arch =
@@ -337,7 +338,8 @@ class CudaHopperKernelTest : public CudaSweepTest {
     if (!cuda::HasFusedKernel(Pass::kForward, p.dtype, p.head_dim, arch)) {
       GTEST_SKIP() << "no such Hopper kernel for this dtype and head_dim";
     }
-    auto fused = MakeCudaFusedEngine(EngineOptions{}, kernel, {}, block_n, persistent_ctas);
+    auto fused = MakeCudaFusedEngine(EngineOptions{}, kernel, {}, shape.block_n, persistent_ctas,
+                                     shape.consumer_warpgroups);
     ASSERT_TRUE(fused.ok()) << fused.status();
     AttentionTensors t = AttentionTensors::Make(p, seed_, /*padded=*/false);
     absl::Status unavailable;
@@ -348,19 +350,19 @@ class CudaHopperKernelTest : public CudaSweepTest {
 
 TEST_P(CudaHopperKernelTest, LockstepMatchesReference) {
   SCOPED_TRACE(trace_);
-  RunPinned(cuda::FusedKernel::kSm90Lockstep, 0);
+  RunPinned(cuda::FusedKernel::kSm90Lockstep, {0, 0, 0});
 }
 
 TEST_P(CudaHopperKernelTest, TmaFullTileShapeMatchesReference) {
   SCOPED_TRACE(trace_);
   RunPinned(cuda::FusedKernel::kSm90Tma,
-            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/false).block_n);
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/false));
 }
 
 TEST_P(CudaHopperKernelTest, TmaMaskedTileShapeMatchesReference) {
   SCOPED_TRACE(trace_);
   RunPinned(cuda::FusedKernel::kSm90Tma,
-            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true).block_n);
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true));
 }
 
 // The warp-specialised kernel's persistent grid pinned to 1 and 3 CTAs, so that every CTA walks
@@ -369,14 +371,14 @@ TEST_P(CudaHopperKernelTest, TmaMaskedTileShapeMatchesReference) {
 TEST_P(CudaHopperKernelTest, TmaFullTileShapeOnOneCtaMatchesReference) {
   SCOPED_TRACE(trace_);
   RunPinned(cuda::FusedKernel::kSm90Tma,
-            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/false).block_n,
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/false),
             /*persistent_ctas=*/1);
 }
 
 TEST_P(CudaHopperKernelTest, TmaMaskedTileShapeOnThreeCtasMatchesReference) {
   SCOPED_TRACE(trace_);
   RunPinned(cuda::FusedKernel::kSm90Tma,
-            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true).block_n,
+            cuda::Sm90TmaFusedTileShape(GetParam().problem.head_dim, /*masked=*/true),
             /*persistent_ctas=*/3);
 }
 

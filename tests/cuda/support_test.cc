@@ -31,7 +31,8 @@ struct Fixture {
 };
 
 // The warp-specialised forward's tile shape by problem (heuristics.h): masked problems take the
-// masked shape, and at head_dim 128 short unmasked ones too (128-key tiles, no partial tile).
+// masked shape, and at head_dim 128 short unmasked ones too (128-key tiles, no partial tile);
+// at 64 masked ones below 2048 keys only (two consumers; three from 2048).
 TEST(Support, HopperForwardShapeFollowsTheMeasurements) {
   EXPECT_TRUE(Sm90TmaTakesMaskedShape(128, 16384, /*masked=*/true));
   EXPECT_TRUE(Sm90TmaTakesMaskedShape(128, 512, /*masked=*/false));
@@ -40,6 +41,11 @@ TEST(Support, HopperForwardShapeFollowsTheMeasurements) {
   EXPECT_FALSE(Sm90TmaTakesMaskedShape(96, 512, /*masked=*/false));  // not measured
   EXPECT_EQ(Sm90TmaFusedTileShape(128, /*masked=*/true).block_n, 128);
   EXPECT_EQ(Sm90TmaFusedTileShape(128, /*masked=*/false).block_n, 176);
+  EXPECT_TRUE(Sm90TmaTakesMaskedShape(64, 2047, /*masked=*/true));
+  EXPECT_FALSE(Sm90TmaTakesMaskedShape(64, 2048, /*masked=*/true));
+  EXPECT_FALSE(Sm90TmaTakesMaskedShape(64, 512, /*masked=*/false));
+  EXPECT_EQ(Sm90TmaFusedTileShape(64, /*masked=*/true).consumer_warpgroups, 2);
+  EXPECT_EQ(Sm90TmaFusedTileShape(64, /*masked=*/false).consumer_warpgroups, 3);
 }
 
 Support Fused(Pass pass, const AttentionProblem& p) {

@@ -49,9 +49,12 @@ struct FusedForwardParams {
   int window_right = -1;  // effective: causal already folded in (0)
   DType dtype = DType::kBF16;
   FusedKernel kernel = FusedKernel::kAuto;
-  // kSm90Tma: keys per K/V tile, 0 for the heuristic's; otherwise one of the two shapes
-  // compiled for the head_dim (heuristics.h, Sm90TmaFusedTileShape), for benchmarks.
+  // kSm90Tma: keys per K/V tile and consumer warpgroups, 0 for the heuristic's; otherwise those
+  // of one of the two shapes compiled for the head_dim (heuristics.h, Sm90TmaFusedTileShape), for
+  // tests and benchmarks. At head_dim 64 both shapes have 128-key tiles (two and three
+  // consumers), so there the consumers tell them apart.
   int block_n = 0;
+  int consumer_warpgroups = 0;
   // kSm90Tma: CTAs of its persistent grid, 0 for one an SM; tests pin a few, so that small
   // problems walk several query blocks a CTA.
   int persistent_ctas = 0;

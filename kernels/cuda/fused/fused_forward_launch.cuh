@@ -62,8 +62,9 @@ cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t 
 }
 
 // The warp-specialised kernel at the shape heuristics.h gives the problem (its mask and mean
-// keys a sequence), or at params.block_n when set (a shape compiled for the row: the full and
-// the masked one, which are one at 64 and 256).
+// keys a sequence), or at the shape params.block_n and consumer_warpgroups pin where set (one
+// compiled for the row: the full and the masked one, which are one at 256; at 64 they differ in
+// their consumers only).
 template <typename Element, int kHeadDim>
 cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked, int64_t mean_keys,
                                    cudaStream_t stream) {
@@ -73,20 +74,28 @@ cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked
                                                kFull.consumer_warpgroups>;
   using MaskedTraits = FusedForwardSm90TmaTraits<Element, kHeadDim, kMasked.block_n, kMasked.stages,
                                                  kMasked.consumer_warpgroups>;
-  int block_n = params.block_n;
-  if (block_n == 0) {
-    block_n =
-        Sm90TmaTakesMaskedShape(kHeadDim, mean_keys, masked) ? kMasked.block_n : kFull.block_n;
+  const auto pinned = [&](const Sm90TmaTileShape& shape) {
+    return (params.block_n == 0 || params.block_n == shape.block_n) &&
+           (params.consumer_warpgroups == 0 ||
+            params.consumer_warpgroups == shape.consumer_warpgroups);
+  };
+  // The heuristic's shape where the pins allow it, else the other one they allow.
+  const bool masked_shape = Sm90TmaTakesMaskedShape(kHeadDim, mean_keys, masked);
+  if (pinned(masked_shape ? kMasked : kFull)) {
+    return masked_shape ? LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream)
+                        : LaunchFusedForwardSm90Tma<FullTraits>(params, stream);
   }
-  if (block_n == kMasked.block_n) return LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream);
-  if (block_n == kFull.block_n) return LaunchFusedForwardSm90Tma<FullTraits>(params, stream);
+  if (pinned(masked_shape ? kFull : kMasked)) {
+    return masked_shape ? LaunchFusedForwardSm90Tma<FullTraits>(params, stream)
+                        : LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream);
+  }
   return cudaErrorNotSupported;
 }
 
-// kAuto tries, in order, the kernels the row has: the warp-specialised one where
-// Sm90TmaIsDefault says so, the lockstep one, the portable one. The rows at 96 and 256 have no
-// lockstep kernel, so there kAuto falls from the first straight to the last and a pinned
-// kSm90Lockstep answers cudaErrorNotSupported.
+// kAuto tries, in order, the kernels the row has (heuristics.h): the warp-specialised one, the
+// lockstep one, the portable one. The rows at 96 and 256 have no lockstep kernel, so there kAuto
+// falls from the first straight to the last and a pinned kSm90Lockstep answers
+// cudaErrorNotSupported.
 template <DType kDType, int kHeadDim>
 cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
@@ -96,8 +105,7 @@ cudaError_t RunFusedForward(const FusedForwardParams& params, cudaStream_t strea
     const int64_t mean_keys = params.cu_seqlens_k == nullptr
                                   ? params.seqlen_k
                                   : params.total_k / std::max(params.batch, 1);
-    if (pinned == FusedKernel::kSm90Tma ||
-        (pinned == FusedKernel::kAuto && Sm90TmaIsDefault(kHeadDim, mean_keys, masked))) {
+    if (pinned == FusedKernel::kSm90Tma || pinned == FusedKernel::kAuto) {
       const cudaError_t err =
           RunFusedForwardSm90Tma<Element, kHeadDim>(params, masked, mean_keys, stream);
       // kAuto falls back to the next kernel where this one cannot run.

@@ -39,8 +39,8 @@ constexpr Sm90TileShape Sm90FusedTileShape(int head_dim) {
 // The warp-specialised Hopper kernel (fused_forward_sm90_tma_kernel.cuh): one producer warp
 // feeding K/V stages by TMA, two or three consumer warpgroups of 64 query rows each (kBlockM =
 // 128 or 192). Every (dtype, head_dim) row of the table compiles a shape for full tiles and one
-// for masked problems (causal or a window), the same one at 64 and 256, and a benchmark may run
-// either on any problem (FusedForwardParams::block_n).
+// for masked problems (causal or a window), the same one at 256, and a test or benchmark may
+// run either on any problem (FusedForwardParams::block_n and consumer_warpgroups).
 struct Sm90TmaTileShape {
   int block_n;                  // keys per K/V tile
   int stages;                   // K and V tiles in flight each
@@ -50,17 +50,18 @@ struct Sm90TmaTileShape {
 // Starting points from FlashAttention-3's choices on the H100 (128 x 176 at d 128, 128 x 128
 // when causal; 192 x 192 at d 64) within the 227 KiB of shared memory: d 128 x 176 keys x 2
 // stages of K and V take 176 KiB beside Q's 32. At head_dim 64 three consumer warpgroups (192
-// query rows) with 128 keys and 3 stages, masked or not: on the H200 (bf16 and fp16,
-// 2026-12-02) 1.10-1.24x the two-warpgroup kernel's 192 keys unmasked and, causal, 1.06-1.26x
-// its 128 keys from 2048 keys (0.88-0.94x at 512 and 1024, where kAuto runs the lockstep
-// kernel); 192 keys beside 192 rows would not fit the 160 registers a consumer thread gets
-// (96 scores, 48 packed P).
+// query rows) with 128 keys and 3 stages: on the H200 (bf16 and fp16, 2026-12-02) 1.10-1.24x
+// the two-warpgroup kernel's 192 keys unmasked and, causal, 1.06-1.26x its 128 keys from 2048
+// keys, 0.88-0.94x at 512 and 1024; so the masked shape is that two-warpgroup one, 128 keys
+// and 3 stages, which masked problems below 2048 keys run (Sm90TmaTakesMaskedShape). 192 keys
+// beside 192 rows would not fit the 160 registers a consumer thread gets (96 scores, 48
+// packed P).
 // head_dim 96 runs the shapes of 128: its tiles are 128 columns wide in shared memory (the last
 // 32 zero-filled by the copy engine). head_dim 256 takes FlashAttention-3's 80 keys, masked or
 // not: 2 stages of K and V (160 KiB) beside Q's 64 fill 224 KiB, and the 128 accumulators plus
 // 40 scores and 20 packed P a thread fit the consumers' 240 registers. Neither is measured yet.
 constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
-  if (head_dim <= 64) return Sm90TmaTileShape{128, 3, 3};
+  if (head_dim <= 64) return masked ? Sm90TmaTileShape{128, 3, 2} : Sm90TmaTileShape{128, 3, 3};
   if (head_dim > 128) return Sm90TmaTileShape{80, 2};
   return masked ? Sm90TmaTileShape{128, 2} : Sm90TmaTileShape{176, 2};
 }
@@ -72,7 +73,9 @@ constexpr Sm90TmaTileShape Sm90TmaFusedTileShape(int head_dim, bool masked) {
 // (docs/cuda-fused.md): 128 keys 1.05-1.06x the 176-key tiles at 512 keys (bf16, fp16), 1.02x
 // at 1024 in fp16 and 0.96-1.07x in bf16 (the 1024 rows swing ±4% between rounds), level at 2048
 // and 4096, 0.98-0.99x from 8192. head_dim 96 shares the shapes but was not measured: 176 stays.
+// At 64 masked problems from 2048 keys run the full shape (three consumers, above).
 constexpr bool Sm90TmaTakesMaskedShape(int head_dim, int64_t mean_keys, bool masked) {
+  if (head_dim <= 64) return masked && mean_keys < 2048;
   return masked || (head_dim == 128 && mean_keys <= 1024);
 }
 
@@ -124,19 +127,14 @@ constexpr int Sm90TmaConsumerRegisters(int head_dim, int consumer_warpgroups) {
   return head_dim > 128 ? 240 : 232;
 }
 
-// Whether the default (FusedKernel::kAuto) on Hopper is the warp-specialised kernel rather than
-// the next one (lockstep at 64 and 128, portable mma.sync at 96 and 256), by head_dim, the mean
-// keys per sequence and the mask: where it measured faster (docs/cuda-fused.md, "The
-// warp-specialised Hopper kernel"). At head_dim 128 it is 1.3-1.7x the lockstep kernel
-// everywhere. At 64, with three consumer warpgroups (H200, 2026-12-02, 16k tokens a batch,
-// bf16 and fp16), it wins unmasked at every length (1.05-1.15x the lockstep kernel at 512 and
-// 1024 keys, where that was the default) and causal from 2048 keys (1.12-1.16x); causal at 512
-// and 1024 it measured 0.98-1.05x, and the lockstep kernel stays. At 96 and 256 it is the only
-// Hopper kernel: the mma.sync kernel ran at 0.38-0.71x it.
-constexpr bool Sm90TmaIsDefault(int head_dim, int64_t mean_keys, bool masked) {
-  return head_dim == 96 || head_dim == 128 || head_dim == 256 ||
-         (head_dim == 64 && (!masked || mean_keys >= 2048));
-}
+// kAuto on Hopper runs the warp-specialised kernel wherever the table has it (64, 96, 128 and
+// 256), before the lockstep kernel (64, 128) and the portable one (docs/cuda-fused.md, "The
+// warp-specialised Hopper kernel"). At 128 it is 1.3-1.7x the lockstep kernel everywhere; at 96
+// and 256 the mma.sync kernel ran at 0.38-0.71x it. At 64 (H200, 16k tokens a batch, bf16 and
+// fp16, 2026-12-02) three consumers are 1.18-1.27x the lockstep kernel unmasked and 1.16-1.22x
+// causal from 2048 keys; causal below 2048 the two-consumer masked shape is 1.05-1.14x it (and
+// 1.05-1.07x three consumers at 512 keys, 1.11-1.18x at 1024). Raw:
+// docs/results/2026-12-02-h200-forward-d64-shapes.jsonl.
 
 // ---- Paged K/V (paged_forward.h) ----
 
