@@ -79,17 +79,12 @@ cudaError_t RunFusedForwardSm90Tma(const FusedForwardParams& params, bool masked
            (params.consumer_warpgroups == 0 ||
             params.consumer_warpgroups == shape.consumer_warpgroups);
   };
-  // The heuristic's shape where the pins allow it, else the other one they allow.
-  const bool masked_shape = Sm90TmaTakesMaskedShape(kHeadDim, mean_keys, masked);
-  if (pinned(masked_shape ? kMasked : kFull)) {
-    return masked_shape ? LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream)
-                        : LaunchFusedForwardSm90Tma<FullTraits>(params, stream);
-  }
-  if (pinned(masked_shape ? kFull : kMasked)) {
-    return masked_shape ? LaunchFusedForwardSm90Tma<FullTraits>(params, stream)
-                        : LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream);
-  }
-  return cudaErrorNotSupported;
+  // The heuristic's shape where the pins allow it, else the other one if they allow that.
+  bool masked_shape = Sm90TmaTakesMaskedShape(kHeadDim, mean_keys, masked);
+  if (!pinned(masked_shape ? kMasked : kFull)) masked_shape = !masked_shape;
+  if (!pinned(masked_shape ? kMasked : kFull)) return cudaErrorNotSupported;
+  return masked_shape ? LaunchFusedForwardSm90Tma<MaskedTraits>(params, stream)
+                      : LaunchFusedForwardSm90Tma<FullTraits>(params, stream);
 }
 
 // kAuto tries, in order, the kernels the row has (heuristics.h): the warp-specialised one, the
