@@ -10,9 +10,8 @@
 //     thread of which draws the CTA's blocks from the queue, posts them to the consumers and
 //     issues TMA copies: per block Q, and K and V tiles into kStages-deep rings of 128-byte-
 //     swizzled shared-memory stages, each stage a `full` mbarrier (bytes landed) and an `empty`
-//     one (every consumer done with it); Q has one or two buffers with the same pair (two
-//     where shared memory holds them), so the next block's Q lands while the consumers finish
-//     this one, and the rings run on from block to block;
+//     one (every consumer done with it); Q has the same pair, so the next block's Q lands
+//     while the consumers finish this one, and the rings run on from block to block;
 //   - two consumer warpgroups (232 registers, 240 at 256; three of 160 at 64) of 64 query rows
 //     each, which take turns on the tensor cores in a ring (named barriers: a warpgroup issues
 //     its MMAs, then hands the turn to the next and runs its softmax while the others' MMAs
@@ -98,31 +97,20 @@ struct FusedForwardSm90TmaTraits {
   // (0, 1]: fewer of the small probabilities fall below its 2^-9); l carries the same factor,
   // so O = acc / l does not see it, and the LSE takes it out.
   static constexpr int kProbabilityLog2Scale = kFp8 ? 8 : 0;
+  // Q, the K stages, the V stages, each tile and column block 1024-byte aligned as the 128-byte
+  // swizzle requires; then the mbarriers: Q full, per stage K full, K empty, V full, V empty,
+  // Q empty, and the two block slots' full and empty; then the two slots.
+  static constexpr int kKOffset = kQTileBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
+  static constexpr int kSlotOffset = kBarrierOffset + 8 * (6 + 4 * kStages);
   // The epilogue stages O through 8 rows of shared memory a consumer warp (staged_rows.cuh)
   // where they fit beside the stages; elsewhere (head_dim 256 with 80 keys) each thread stores
   // its fragment from registers, 4 bytes at a time.
+  static constexpr int kStagingOffset = (kSlotOffset + 2 * 4 + 15) / 16 * 16;
   static constexpr int kOutputRowBytes = kHeadDim * static_cast<int>(sizeof(OutputElement));
   static constexpr int kWarpStagingBytes = attn::cuda::kWarpStagingBytes<kOutputRowBytes>;
   static constexpr int kStagingBytes = kConsumerThreads / 32 * kWarpStagingBytes;
-  // The Q buffers, the K stages, the V stages, each tile and column block 1024-byte aligned as
-  // the 128-byte swizzle requires; then the mbarriers: per Q buffer full, per stage K full, K
-  // empty, V full, V empty, per Q buffer empty, and the two block slots' full and empty; then
-  // the two slots, then the staging rows. Two Q buffers where they fit beside the rest: the
-  // next block's Q then loads while this block's last Q K^T still reads the other buffer, where
-  // with one it could start only after it, about a microsecond before the consumers want it.
-  static constexpr int kKVRingBytes = 2 * kStages * kKVTileBytes;
-  static constexpr int kBarrierBytesBesideQ = 8 * (4 * kStages + 4);
-  static constexpr int kQBuffers =
-      (2 * kQTileBytes + kKVRingBytes + kBarrierBytesBesideQ + 8 * 2 * 2 + 2 * 4 + 15) / 16 * 16 +
-                  kStagingBytes <=
-              227 * 1024
-          ? 2
-          : 1;
-  static constexpr int kKOffset = kQBuffers * kQTileBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * kKVTileBytes;
-  static constexpr int kSlotOffset = kBarrierOffset + kBarrierBytesBesideQ + 8 * 2 * kQBuffers;
-  static constexpr int kStagingOffset = (kSlotOffset + 2 * 4 + 15) / 16 * 16;
   static constexpr bool kStagedEpilogue = kStagingOffset + kStagingBytes <= 227 * 1024;
   static constexpr int kSmemBytes =
       kStagedEpilogue ? kStagingOffset + kStagingBytes : kSlotOffset + 2 * 4;
@@ -162,29 +150,26 @@ inline constexpr uint32_t kTurnThreads = 256;  // the warpgroup handing over and
 template <typename Traits>
 struct Barriers {
   uint32_t base;
-  __device__ __forceinline__ uint32_t q_full(int buffer) const { return base + 8 * buffer; }
-  __device__ __forceinline__ uint32_t k_full(int stage) const { return base + 8 * (kQ + stage); }
+  __device__ __forceinline__ uint32_t q_full() const { return base; }
+  __device__ __forceinline__ uint32_t k_full(int stage) const { return base + 8 * (1 + stage); }
   __device__ __forceinline__ uint32_t k_empty(int stage) const {
-    return base + 8 * (kQ + Traits::kStages + stage);
+    return base + 8 * (1 + Traits::kStages + stage);
   }
   __device__ __forceinline__ uint32_t v_full(int stage) const {
-    return base + 8 * (kQ + 2 * Traits::kStages + stage);
+    return base + 8 * (1 + 2 * Traits::kStages + stage);
   }
   __device__ __forceinline__ uint32_t v_empty(int stage) const {
-    return base + 8 * (kQ + 3 * Traits::kStages + stage);
+    return base + 8 * (1 + 3 * Traits::kStages + stage);
   }
-  __device__ __forceinline__ uint32_t q_empty(int buffer) const {
-    return base + 8 * (kQ + 4 * Traits::kStages + buffer);
+  __device__ __forceinline__ uint32_t q_empty() const {
+    return base + 8 * (1 + 4 * Traits::kStages);
   }
   __device__ __forceinline__ uint32_t slot_full(int slot) const {
-    return base + 8 * (2 * kQ + 4 * Traits::kStages + slot);
+    return base + 8 * (2 + 4 * Traits::kStages + slot);
   }
   __device__ __forceinline__ uint32_t slot_empty(int slot) const {
-    return base + 8 * (2 * kQ + 4 * Traits::kStages + 2 + slot);
+    return base + 8 * (4 + 4 * Traits::kStages + slot);
   }
-
- private:
-  static constexpr int kQ = Traits::kQBuffers;
 };
 
 // The producer's thread 0 draws each block's place in the queue (QueryBlockOrder) and posts it
@@ -376,12 +361,11 @@ struct DenseKvTiles {
   }
 };
 
-// The producer: for each query block it draws and posts, its Q and its K and V tiles in the
-// order the consumers finish with them (K_0, K_1, V_0, K_2, V_1, ...), each into the next stage
-// of its ring once both consumers have released that stage. A Q buffer is free once both
-// consumers' last Q K^T of the block before it is done: with two buffers that was a block ago
-// and Q goes first; with one, K_0 can usually go before it, and Q follows. The rings' positions
-// (the Q buffers' too) run on across blocks. Every producer thread of the source runs it;
+// The producer: for each query block it draws and posts, its K and V tiles in the order the
+// consumers finish with them (K_0, K_1, V_0, K_2, V_1, ...), each into the next stage of its
+// ring once both consumers have released that stage, and Q after K_0: Q's buffer is free once
+// both consumers' last Q K^T of the previous block is done, and K_0 can usually go before that.
+// The rings' positions run on across blocks. Every producer thread of the source runs it;
 // thread 0 draws, posts and issues Q's copies.
 template <typename Traits, typename Source>
 __device__ __forceinline__ void ProduceTiles(const typename Source::Params& params,
@@ -432,25 +416,15 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
         source.LoadValues(v_tiles + stage * Traits::kKVTileBytes, bars.v_full(stage),
                           (n_block_last - it) * kBlockN);
       };
-      const auto load_q = [&] {
-        constexpr int kQBuffers = Traits::kQBuffers;
-        const int buffer = StageOf<kQBuffers>(q_loads);
-        tma::Wait(bars.q_empty(buffer), ParityOf<kQBuffers>(q_loads) ^ 1);
-        if (!leader) return;
-        const uint32_t q_buffer = q_tile + buffer * Traits::kQTileBytes;
-        tma::ArriveExpectBytes(bars.q_full(buffer), Traits::kQTileBytes);
+      load_k(0);
+      if (q_loads > 0) tma::Wait(bars.q_empty(), (q_loads - 1) & 1);
+      if (leader) {
+        tma::ArriveExpectBytes(bars.q_full(), Traits::kQTileBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
-          tma::Load4d(q_buffer + cb * kBlockM * 128, &params.q_map, bars.q_full(buffer),
+          tma::Load4d(q_tile + cb * kBlockM * 128, &params.q_map, bars.q_full(),
                       cb * Traits::kBlockColumns, source.q.row, source.q.head, source.q.sequence);
         }
-      };
-      if constexpr (Traits::kQBuffers > 1) {
-        load_q();
-        load_k(0);
-      } else {
-        load_k(0);
-        load_q();
       }
       for (int it = 1; it < num_tiles; ++it) {
         load_k(it);
@@ -492,12 +466,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int* const slots = reinterpret_cast<int*>(swizzled_smem + Traits::kSlotOffset);
 
   if (threadIdx.x == 0) {
-#pragma unroll
-    for (int buffer = 0; buffer < Traits::kQBuffers; ++buffer) {
-      tma::InitBarrier(bars.q_full(buffer), 1);
-      // One arrival per consumer warp, as the stages' empty barriers.
-      tma::InitBarrier(bars.q_empty(buffer), kConsumerThreads / 32);
-    }
+    tma::InitBarrier(bars.q_full(), 1);
+    // One arrival per consumer warp, as the stages' empty barriers.
+    tma::InitBarrier(bars.q_empty(), kConsumerThreads / 32);
 #pragma unroll
     for (int slot = 0; slot < 2; ++slot) {
       tma::InitBarrier(bars.slot_full(slot), 1);
@@ -530,6 +501,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int quad_row = lane / 4;
   const int quad_col = lane % 4;
   const int local_row = consumer * 64 + warp * 16 + quad_row;  // + 8 for the second row
+  const uint32_t q_rows = q_tile + consumer * 64 * 128;
   // A stage (or Q) is released by one lane of each warp once the warpgroup's MMAs reading it
   // are done.
   const auto release = [&](uint32_t empty) {
@@ -594,9 +566,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 
     if (num_tiles > 0) {
-      const int q_buffer = StageOf<Traits::kQBuffers>(q_loads);
-      const uint32_t q_rows = q_tile + q_buffer * Traits::kQTileBytes + consumer * 64 * 128;
-      tma::Wait(bars.q_full(q_buffer), ParityOf<Traits::kQBuffers>(q_loads));
+      tma::Wait(bars.q_full(), q_loads & 1);
 
       tma::Wait(bars.k_full(StageOf<kStages>(ring)), ParityOf<kStages>(ring));
       tma::NamedBarrierSync(my_turn, kTurnThreads);
@@ -607,7 +577,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma::WaitGroup<0>();
       wgmma::FenceOperands(s_flat);
       release(bars.k_empty(StageOf<kStages>(ring)));
-      if (num_tiles == 1) release(bars.q_empty(q_buffer));
+      if (num_tiles == 1) release(bars.q_empty());
       scores_to_probabilities(0);  // acc is still 0: no rescale
       PackProbabilities<Traits>(s[0], p_frag);
 
@@ -627,7 +597,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma::FenceOperands(s_flat);
         release(bars.k_empty(stage));
         // The block's last Q K^T is done: the producer may load the next block's Q.
-        if (it == num_tiles - 1) release(bars.q_empty(q_buffer));
+        if (it == num_tiles - 1) release(bars.q_empty());
         scores_to_probabilities(it);
         wgmma::WaitGroup<0>();
         wgmma::FenceOperands(acc_flat);
