@@ -1,6 +1,6 @@
-// The fused backward's launch (see fused_backward.h for the algorithm): the D kernel, the main
-// kernel of the table's row (fused_backward_kernel.cuh, one generated file per row), the dQ
-// kernel, and the workspace they share.
+// The fused backward's launch (see fused_backward.h for the algorithm): the D kernel (which
+// also zeroes the dQ accumulator), the main kernel of the table's row (fused_backward_kernel.cuh,
+// one generated file per row), the dQ kernel, and the workspace they share.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,39 +19,126 @@
 namespace attn::cuda {
 namespace {
 
-// Block size of the D and dQ kernels: 8 warps, D taking one (token, head) row per warp.
+// Block size of the D and dQ kernels.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// delta[h, t] = sum_c dO[t, h, c] * O[t, h, c] in float32: one warp per (token, head).
+// How the D and dQ kernels lay a (token, head) row of head_dim elements over lanes: a lane
+// takes 16-byte pieces of it (8 elements), a group of kLanes lanes (a power of two) one row,
+// 32 / kLanes rows a warp. The kernels they replace (a warp a row with a 2-byte element a lane
+// for D, a thread an element with 64-bit index arithmetic for dQ, a memset for the
+// accumulator) cost a fixed time per token that weighs most at short sequences.
+template <int kHeadDim>
+struct RowLanes {
+  static constexpr int kPieceElements = 8;  // 16 bytes of 16-bit elements
+  static constexpr int kPieces = kHeadDim / kPieceElements;
+  static constexpr int kLanes = kPieces >= 32 ? 32 : kPieces > 8 ? 16 : kPieces > 4 ? 8 : 4;
+  static constexpr int kRowsPerWarp = 32 / kLanes;
+  static constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+  static_assert(kHeadDim % kPieceElements == 0, "rows of whole 16-byte pieces");
+};
+
+// A row's 16-byte piece: one vector access where the rows are 16-byte aligned (`vector`, the
+// same for every thread), element by element otherwise.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    RowDotKernel(const FusedBackwardParams p, float* delta) {
-  const int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
-  if (row >= p.total_q * p.num_heads) return;
-  const int64_t t = row / p.num_heads;
-  const int h = static_cast<int>(row % p.num_heads);
-  const T* o = static_cast<const T*>(p.o) + t * p.o_token_stride + h * p.o_head_stride;
-  const T* d_o = static_cast<const T*>(p.d_o) + t * p.do_token_stride + h * p.do_head_stride;
-  float sum = 0.f;
-  for (int c = threadIdx.x % 32; c < p.head_dim; c += 32) sum += ToFloat(o[c]) * ToFloat(d_o[c]);
+__device__ __forceinline__ void LoadPiece(const T* src, bool vector, float (&out)[8]) {
+  if (vector) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (threadIdx.x % 32 == 0) delta[h * p.total_q + t] = sum;
+    for (int i = 0; i < 8; ++i) out[i] = ToFloat(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = ToFloat(src[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePiece(T* dst, bool vector, const float (&in)[8]) {
+  if (vector) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = FromFloat<T>(in[i]);
+    *reinterpret_cast<uint4*>(dst) = raw;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = FromFloat<T>(in[i]);
+  }
+}
+
+// The (token, head) row of this thread's lane group, and the lane's place in the group.
+template <int kHeadDim>
+struct RowOfLane {
+  int64_t row;
+  int lane;
+  __device__ __forceinline__ RowOfLane() {
+    using Lanes = RowLanes<kHeadDim>;
+    const int lane_id = static_cast<int>(threadIdx.x % 32);
+    row = int64_t{blockIdx.x} * Lanes::kRowsPerBlock +
+          static_cast<int>(threadIdx.x / 32) * Lanes::kRowsPerWarp + lane_id / Lanes::kLanes;
+    lane = lane_id % Lanes::kLanes;
+  }
+};
+
+// delta[h, t] = sum_c dO[t, h, c] * O[t, h, c] in float32, and the row's dQ accumulator
+// ([total_q, heads, head_dim] float32) set to zero: one pass over the rows where a memset and a
+// second kernel were.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    PrepareBackwardKernel(const FusedBackwardParams p, float* delta, float* dq_accum,
+                          bool vector_rows) {
+  using Lanes = RowLanes<kHeadDim>;
+  const RowOfLane<kHeadDim> at;
+  const bool live = at.row < p.total_q * p.num_heads;
+  float sum = 0.f;
+  if (live) {
+    const int64_t t = at.row / p.num_heads;
+    const int h = static_cast<int>(at.row % p.num_heads);
+    const T* o = static_cast<const T*>(p.o) + t * p.o_token_stride + h * p.o_head_stride;
+    const T* d_o = static_cast<const T*>(p.d_o) + t * p.do_token_stride + h * p.do_head_stride;
+    float4* accum = reinterpret_cast<float4*>(dq_accum + at.row * kHeadDim);
+#pragma unroll
+    for (int piece = at.lane; piece < Lanes::kPieces; piece += Lanes::kLanes) {
+      float o_piece[8], do_piece[8];
+      LoadPiece(o + piece * 8, vector_rows, o_piece);
+      LoadPiece(d_o + piece * 8, vector_rows, do_piece);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += o_piece[i] * do_piece[i];
+      accum[2 * piece] = make_float4(0.f, 0.f, 0.f, 0.f);
+      accum[2 * piece + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  // Every lane takes part (rows past the end with 0); the groups are closed under these xors.
+#pragma unroll
+  for (int offset = Lanes::kLanes / 2; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  }
+  if (live && at.lane == 0) {
+    const int64_t t = at.row / p.num_heads;
+    const int h = static_cast<int>(at.row % p.num_heads);
+    delta[h * p.total_q + t] = sum;
+  }
 }
 
 // dq[t, h, c] = accumulator, rounded to the dtype.
-template <typename T>
+template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
-    StoreDqKernel(const FusedBackwardParams p, const float* dq_accum) {
-  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int64_t row_elems = int64_t{p.num_heads} * p.head_dim;
-  if (i >= p.total_q * row_elems) return;
-  const int64_t t = i / row_elems;
-  const int h = static_cast<int>((i % row_elems) / p.head_dim);
-  const int c = static_cast<int>(i % p.head_dim);
-  static_cast<T*>(p.dq)[t * p.dq_token_stride + h * p.dq_head_stride + c] =
-      FromFloat<T>(dq_accum[i]);
+    StoreDqKernel(const FusedBackwardParams p, const float* dq_accum, bool vector_rows) {
+  using Lanes = RowLanes<kHeadDim>;
+  const RowOfLane<kHeadDim> at;
+  if (at.row >= p.total_q * p.num_heads) return;
+  const int64_t t = at.row / p.num_heads;
+  const int h = static_cast<int>(at.row % p.num_heads);
+  T* dq = static_cast<T*>(p.dq) + t * p.dq_token_stride + h * p.dq_head_stride;
+  const float4* accum = reinterpret_cast<const float4*>(dq_accum + at.row * kHeadDim);
+#pragma unroll
+  for (int piece = at.lane; piece < Lanes::kPieces; piece += Lanes::kLanes) {
+    const float4 lo = accum[2 * piece];
+    const float4 hi = accum[2 * piece + 1];
+    const float values[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    StorePiece(dq + piece * 8, vector_rows, values);
+  }
 }
 
 // The workspace holds D, padded to 16 bytes so that the dQ accumulator after it takes vector
@@ -77,10 +164,6 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
   work.dq_accum = delta + DeltaFloats(rows);
   work.dq_tile_counters = reinterpret_cast<int*>(work.dq_accum + accum_elems);
   work.query_tiles = DqCounterTiles(p.max_seqlen_q);
-  if (cudaError_t e = cudaMemsetAsync(work.dq_accum, 0, accum_elems * sizeof(float), stream);
-      e != cudaSuccess) {
-    return e;
-  }
   if (p.deterministic) {
     const int64_t counters = int64_t{p.batch} * p.num_heads * work.query_tiles;
     if (cudaError_t e = cudaMemsetAsync(work.dq_tile_counters, 0, counters * sizeof(int), stream);
@@ -88,9 +171,14 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
       return e;
     }
   }
+  using Lanes = RowLanes<kHeadDim>;
+  const auto row_blocks =
+      static_cast<unsigned>((rows + Lanes::kRowsPerBlock - 1) / Lanes::kRowsPerBlock);
   if (rows > 0) {
-    RowDotKernel<T>
-        <<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p, delta);
+    const bool vector_rows = Aligned16(p.o, p.o_token_stride, p.o_head_stride) &&
+                             Aligned16(p.d_o, p.do_token_stride, p.do_head_stride);
+    PrepareBackwardKernel<T, kHeadDim>
+        <<<row_blocks, kThreads, 0, stream>>>(p, delta, work.dq_accum, vector_rows);
   }
 
   const bool aligned_inputs = Aligned16(p.q, p.q_token_stride, p.q_head_stride) &&
@@ -104,10 +192,9 @@ cudaError_t RunBackward(const FusedBackwardParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  if (accum_elems > 0) {
-    StoreDqKernel<T>
-        <<<static_cast<unsigned>((accum_elems + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-            p, work.dq_accum);
+  if (rows > 0) {
+    StoreDqKernel<T, kHeadDim><<<row_blocks, kThreads, 0, stream>>>(
+        p, work.dq_accum, Aligned16(p.dq, p.dq_token_stride, p.dq_head_stride));
   }
   return cudaGetLastError();
 }
