@@ -67,17 +67,24 @@ __device__ __forceinline__ void StorePiece(T* dst, bool vector, const float (&in
   }
 }
 
-// The (token, head) row of this thread's lane group, and the lane's place in the group.
+// The (token, head) row of this thread's lane group, and the lane's place in the group; `live`
+// is false for the groups of the last block past the rows.
 template <int kHeadDim>
 struct RowOfLane {
   int64_t row;
   int lane;
-  __device__ __forceinline__ RowOfLane() {
+  bool live;
+  int64_t token;
+  int head;
+  __device__ __forceinline__ explicit RowOfLane(const FusedBackwardParams& p) {
     using Lanes = RowLanes<kHeadDim>;
     const int lane_id = static_cast<int>(threadIdx.x % 32);
     row = int64_t{blockIdx.x} * Lanes::kRowsPerBlock +
           static_cast<int>(threadIdx.x / 32) * Lanes::kRowsPerWarp + lane_id / Lanes::kLanes;
     lane = lane_id % Lanes::kLanes;
+    live = row < p.total_q * p.num_heads;
+    token = row / p.num_heads;
+    head = static_cast<int>(row % p.num_heads);
   }
 };
 
@@ -89,20 +96,19 @@ __global__ void __launch_bounds__(kThreads)
     PrepareBackwardKernel(const FusedBackwardParams p, float* delta, float* dq_accum,
                           bool vector_rows) {
   using Lanes = RowLanes<kHeadDim>;
-  const RowOfLane<kHeadDim> at;
-  const bool live = at.row < p.total_q * p.num_heads;
+  const RowOfLane<kHeadDim> at(p);
   float sum = 0.f;
-  if (live) {
-    const int64_t t = at.row / p.num_heads;
-    const int h = static_cast<int>(at.row % p.num_heads);
-    const T* o = static_cast<const T*>(p.o) + t * p.o_token_stride + h * p.o_head_stride;
-    const T* d_o = static_cast<const T*>(p.d_o) + t * p.do_token_stride + h * p.do_head_stride;
+  if (at.live) {
+    const T* o =
+        static_cast<const T*>(p.o) + at.token * p.o_token_stride + at.head * p.o_head_stride;
+    const T* d_o =
+        static_cast<const T*>(p.d_o) + at.token * p.do_token_stride + at.head * p.do_head_stride;
     float4* accum = reinterpret_cast<float4*>(dq_accum + at.row * kHeadDim);
 #pragma unroll
     for (int piece = at.lane; piece < Lanes::kPieces; piece += Lanes::kLanes) {
       float o_piece[8], do_piece[8];
-      LoadPiece(o + piece * 8, vector_rows, o_piece);
-      LoadPiece(d_o + piece * 8, vector_rows, do_piece);
+      LoadPiece(o + piece * Lanes::kPieceElements, vector_rows, o_piece);
+      LoadPiece(d_o + piece * Lanes::kPieceElements, vector_rows, do_piece);
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += o_piece[i] * do_piece[i];
       accum[2 * piece] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -114,11 +120,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int offset = Lanes::kLanes / 2; offset > 0; offset /= 2) {
     sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   }
-  if (live && at.lane == 0) {
-    const int64_t t = at.row / p.num_heads;
-    const int h = static_cast<int>(at.row % p.num_heads);
-    delta[h * p.total_q + t] = sum;
-  }
+  if (at.live && at.lane == 0) delta[at.head * p.total_q + at.token] = sum;
 }
 
 // dq[t, h, c] = accumulator, rounded to the dtype.
@@ -126,18 +128,16 @@ template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     StoreDqKernel(const FusedBackwardParams p, const float* dq_accum, bool vector_rows) {
   using Lanes = RowLanes<kHeadDim>;
-  const RowOfLane<kHeadDim> at;
-  if (at.row >= p.total_q * p.num_heads) return;
-  const int64_t t = at.row / p.num_heads;
-  const int h = static_cast<int>(at.row % p.num_heads);
-  T* dq = static_cast<T*>(p.dq) + t * p.dq_token_stride + h * p.dq_head_stride;
+  const RowOfLane<kHeadDim> at(p);
+  if (!at.live) return;
+  T* dq = static_cast<T*>(p.dq) + at.token * p.dq_token_stride + at.head * p.dq_head_stride;
   const float4* accum = reinterpret_cast<const float4*>(dq_accum + at.row * kHeadDim);
 #pragma unroll
   for (int piece = at.lane; piece < Lanes::kPieces; piece += Lanes::kLanes) {
     const float4 lo = accum[2 * piece];
     const float4 hi = accum[2 * piece + 1];
     const float values[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    StorePiece(dq + piece * 8, vector_rows, values);
+    StorePiece(dq + piece * Lanes::kPieceElements, vector_rows, values);
   }
 }
 
