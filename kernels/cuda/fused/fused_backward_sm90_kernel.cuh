@@ -385,22 +385,60 @@ __device__ __forceinline__ void IssueQueryGradientBlock(float (&dq)[Traits::kDqC
 // A warpgroup's 64-row block of dQ (m64nN accumulators), scaled, into shared memory as boxes
 // of the accumulator's tensor map read it: element (r, c) at box c / 32, row r, its 16-byte
 // chunk swizzled.
-template <int kColumns>
+//
+// A thread holds two columns of rows r and r + 8 in each 8-column tile, 8 bytes a row; a warp's
+// 8-byte stores go to shared memory a half-warp (rows q..q+3 of 8) at a time. With every thread
+// on the same tile, the swizzle gives rows q and q ^ 1 the tile's two chunks in swapped places,
+// the same banks: 4 wavefronts a store, not 2 (Nsight Compute: 3.5-way conflicts over the
+// backward's shared stores). So the thread of row q stores tile n ^ (q % 4) in its n-th store of
+// a box, which puts a half-warp's 16 stores on 16 different bank pairs. The registers are
+// permuted by two swaps on the thread's own bits, not indexed at run time.
+//
+// kSpreadBanks chooses that order; the kernels take it where it measured faster (H200,
+// 2026-12-03, two rounds beside the tile order in one call: 1.00-1.09x at head_dim 64 and
+// 1.01-1.02x at 256, 0.92-1.00x at 128, where the tile order stays, as at 96, which runs 128's
+// shapes).
+template <int kColumns, bool kSpreadBanks>
 __device__ __forceinline__ void StoreStagedQueryGradient(const float (&dq)[kColumns / 2],
                                                          unsigned char* block, float scale) {
   constexpr int kBoxColumns = 32, kBoxBytes = 64 * kBoxColumns * 4;
+  constexpr int kTiles = kColumns / 8;
+  static_assert(kColumns % kBoxColumns == 0, "whole boxes of four 8-column tiles");
   const int lane = threadIdx.x % 32;
-  const int row = (threadIdx.x % 128) / 32 * 16 + lane / 4;  // + 8 for the second pair
+  const int quad_row = lane / 4;
+  const int row = (threadIdx.x % 128) / 32 * 16 + quad_row;  // + 8 for the second pair
   const int pair = (lane % 4) * 2;
-  const auto at = [&](int r, int c) {
-    const int chunk = (c % kBoxColumns) / 4;
-    return reinterpret_cast<float2*>(block + (c / kBoxColumns) * kBoxBytes + r * 128 +
-                                     ((chunk ^ (r % 8)) * 16) + (c % 4) * 4);
-  };
+  const int turn = kSpreadBanks ? quad_row % 4 : 0;  // tile n ^ turn in a box's n-th store
+
+  float v[kColumns / 2];
 #pragma unroll
-  for (int n = 0; n < kColumns / 8; ++n) {
-    *at(row, n * 8 + pair) = make_float2(dq[n * 4] * scale, dq[n * 4 + 1] * scale);
-    *at(row + 8, n * 8 + pair) = make_float2(dq[n * 4 + 2] * scale, dq[n * 4 + 3] * scale);
+  for (int i = 0; i < kColumns / 2; ++i) v[i] = dq[i] * scale;
+#pragma unroll
+  for (int bit = 1; bit <= (kSpreadBanks ? 2 : 0); bit *= 2) {
+    const bool swap = (turn & bit) != 0;
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      if (n & bit) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float a = v[n * 4 + e], b = v[(n + bit) * 4 + e];
+        v[n * 4 + e] = swap ? b : a;
+        v[(n + bit) * 4 + e] = swap ? a : b;
+      }
+    }
+  }
+  // Where the n-th store of each box goes (tile n ^ turn, row `row`), for n = 0..3.
+  uint32_t offset[4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int chunk = (n ^ turn) * 2 + pair / 4;
+    offset[n] = row * 128 + ((chunk ^ (row % 8)) * 16) + (pair % 4) * 4;
+  }
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n) {
+    unsigned char* at = block + (n / 4) * kBoxBytes + offset[n % 4];
+    *reinterpret_cast<float2*>(at) = make_float2(v[n * 4], v[n * 4 + 1]);
+    *reinterpret_cast<float2*>(at + 8 * 128) = make_float2(v[n * 4 + 2], v[n * 4 + 3]);
   }
 }
 
@@ -412,8 +450,8 @@ __device__ __forceinline__ void StageQueryGradientBlock(const float (&dq)[Traits
                                                         float scale) {
   static_assert(Traits::kDqBoxColumns == 32, "the accumulator's boxes are 128 bytes wide");
   tma::NamedBarrierSync(kDqFreeBarrier + consumer, kDqHandoffThreads);
-  StoreStagedQueryGradient<Traits::kDqColumns>(dq, staged + consumer * Traits::kDqBlockBytes,
-                                               scale);
+  StoreStagedQueryGradient<Traits::kDqColumns, Traits::kHeadDim == 64>(
+      dq, staged + consumer * Traits::kDqBlockBytes, scale);
   wgmma::FenceSharedForAsyncProxy();
   tma::NamedBarrierArrive(kDqStagedBarrier + consumer, kDqHandoffThreads);
 }

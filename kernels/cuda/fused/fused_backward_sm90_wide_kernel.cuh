@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     constexpr int kDqBlockBytes =
         (Traits::kDqColumns / Traits::kDqBoxColumns) * Traits::kDqBoxBytes;
     static_assert(Traits::kDqBlocks == 2, "two dQ blocks a warpgroup");
-    sm90_backward::StoreStagedQueryGradient<Traits::kDqColumns>(dq, staged, p.scale);
+    sm90_backward::StoreStagedQueryGradient<Traits::kDqColumns, true>(dq, staged, p.scale);
     wgmma::Fence();
     sm90_backward::IssueQueryGradient<Traits>(dq, ds_tile, k_tile,
                                               consumer * kGroupColumns + Traits::kDqColumns);
@@ -376,8 +376,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // This warpgroup no longer reads dS^T: the other may store the next tile's.
     if (t + 1 < tiles.count)
       tma::NamedBarrierArrive(kScoresFreeBarrier + consumer, kConsumerThreads);
-    sm90_backward::StoreStagedQueryGradient<Traits::kDqColumns>(dq, staged + kDqBlockBytes,
-                                                                p.scale);
+    sm90_backward::StoreStagedQueryGradient<Traits::kDqColumns, true>(dq, staged + kDqBlockBytes,
+                                                                      p.scale);
     wgmma::FenceSharedForAsyncProxy();
     tma::NamedBarrierArrive(kDqStagedBarrier + 2 * consumer + slot, kDqHandoffThreads);
   }
