@@ -395,7 +395,7 @@ __device__ __forceinline__ void IssueQueryGradientBlock(float (&dq)[Traits::kDqC
 // permuted by two swaps on the thread's own bits, not indexed at run time.
 //
 // kSpreadBanks chooses that order; the kernels take it where it measured faster (H200,
-// 2026-12-03, two rounds beside the tile order in one call: 1.00-1.09x at head_dim 64 and
+// 2026-12-03, two rounds beside the tile order in one call: 0.99-1.09x at head_dim 64 and
 // 1.01-1.02x at 256, 0.92-1.00x at 128, where the tile order stays, as at 96, which runs 128's
 // shapes).
 template <int kColumns, bool kSpreadBanks>
