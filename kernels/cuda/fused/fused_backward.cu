@@ -15,6 +15,7 @@
 #include "cuda/fused/dq_order.cuh"
 #include "cuda/fused/fused_backward.h"
 #include "cuda/fused/fused_backward_launch.h"
+#include "cuda/fused/ptx.cuh"
 
 namespace attn::cuda {
 namespace {
@@ -60,7 +61,7 @@ __device__ __forceinline__ void StorePiece(T* dst, bool vector, const float (&in
     T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
     for (int i = 0; i < 8; ++i) e[i] = FromFloat<T>(in[i]);
-    *reinterpret_cast<uint4*>(dst) = raw;
+    ptx::StoreGlobal128(dst, raw);
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) dst[i] = FromFloat<T>(in[i]);

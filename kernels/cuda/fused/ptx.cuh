@@ -51,6 +51,18 @@ __device__ __forceinline__ uint4 LoadShared128(uint32_t smem) {
   return v;
 }
 
+// One 16-byte store to device memory; `address` must be 16-byte aligned. Written out because
+// nvcc splits a plain `*reinterpret_cast<uint4*>(p) = v` of a vector built from registers into
+// four 4-byte stores (`st.global.u32`), each of which fills 8 of a sector's 32 bytes across a
+// warp: four times the store instructions and sectors (Nsight Compute's excessive global
+// sectors on the staged epilogues).
+__device__ __forceinline__ void StoreGlobal128(void* address, uint4 v) {
+  asm volatile(
+      "st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(__cvta_generic_to_global(address)),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+      : "memory");
+}
+
 // Four 8x8 b16 matrices; lane i supplies the row address of matrix i / 8.
 __device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], uint32_t smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

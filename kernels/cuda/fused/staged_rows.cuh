@@ -55,8 +55,8 @@ __device__ __forceinline__ void StoreStagedRows(const float (&fragment)[kFragmen
     const int r = piece / kPiecesPerRow;
     const int c = piece % kPiecesPerRow;
     if (r < valid_rows) {
-      *reinterpret_cast<uint4*>(rows + r * row_stride + c * 8) =
-          ptx::LoadShared128(staging + r * kPitch + c * 16);
+      ptx::StoreGlobal128(rows + r * row_stride + c * 8,
+                          ptx::LoadShared128(staging + r * kPitch + c * 16));
     }
   }
 }
