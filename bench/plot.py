@@ -42,8 +42,8 @@ except ImportError:
 RAW = {
     "forward": "2026-12-03-h200-forward-attn_kernel_bench.jsonl",
     "forward_sdpa": "2026-12-03-h200-forward-sdpa.jsonl",
-    "backward": "2026-12-03-h200-backward-attn_kernel_bench.jsonl",
-    "backward_sdpa": "2026-12-03-h200-backward-sdpa.jsonl",
+    "backward": "2026-12-04-h200-backward-attn_kernel_bench.jsonl",
+    "backward_sdpa": "2026-12-04-h200-backward-sdpa.jsonl",
     "server_small_shm_stream": "2026-11-30-h200-server-small-shm-stream.jsonl",
     "server_small_inline_unary": "2026-11-30-h200-server-small-inline-unary.jsonl",
     "server_large_shm": "2026-11-30-h200-server-large-shm.jsonl",
