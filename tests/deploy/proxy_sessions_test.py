@@ -64,6 +64,8 @@ class Proxy:
         self.port = free_port()
         self.log_path = os.path.join(work, f"{kind}-calls.log")
         self.err_path = os.path.join(work, f"{kind}-errors.log")
+        # haproxy logs calls to its stdout; nginx to a file of its own (_nginx).
+        self.out_path = self.log_path if kind == "haproxy" else os.path.join(work, "nginx-out.log")
         if kind == "nginx":
             self.command = self._nginx(root, upstream_ports)
         else:
@@ -82,7 +84,13 @@ class Proxy:
                           conf)
         assert n == 1, "attnserve-sessions.conf: one `listen 50051 http2;` expected"
         open(os.path.join(self.work, "attnserve-sessions.conf"), "w").write(conf)
-        shutil.copy(os.path.join(root, "deploy/nginx/nginx.conf"), self.work)
+        # The access log goes to a file here rather than /dev/stdout, which is not the process's
+        # stdout on every machine (one build machine had a regular file of that name).
+        main = open(os.path.join(root, "deploy/nginx/nginx.conf")).read()
+        main, n = re.subn(r"access_log\s+/dev/stdout\s+attnserve;",
+                          f"access_log {self.log_path} attnserve;", main)
+        assert n == 1, "nginx.conf: one `access_log /dev/stdout attnserve;` expected"
+        open(os.path.join(self.work, "nginx.conf"), "w").write(main)
         os.chmod(self.work, 0o755)  # nginx's workers drop to `nobody` when started as root
         prefix = self.work + "/"
         return [find("nginx"), "-p", prefix, "-c", prefix + "nginx.conf", "-e", "stderr", "-g",
@@ -102,7 +110,7 @@ class Proxy:
 
     def start(self):
         """True once it accepts connections; False when it exited (the error log says why)."""
-        self.proc = subprocess.Popen(self.command, stdout=open(self.log_path, "wb"),
+        self.proc = subprocess.Popen(self.command, stdout=open(self.out_path, "wb"),
                                      stderr=open(self.err_path, "wb"))
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -118,12 +126,19 @@ class Proxy:
     def errors(self):
         return open(self.err_path, errors="replace").read()
 
-    def calls(self):
-        """(route key, upstream port) of each call the proxy logged; "-" for no header."""
-        time.sleep(0.3)  # a call is logged as it ends
-        text = open(self.log_path, errors="replace").read()
-        return [(m.group(1), int(m.group(2))) for m in
-                re.finditer(r'route="?([^" ]*)"? upstream=127\.0\.0\.1:(\d+)', text)]
+    def calls(self, expected=0):
+        """(route key, upstream port) of each call the proxy logged; "-" for no header.
+
+        A call is logged as it ends, which on a loaded machine can be seconds after the client
+        saw its reply: the log is read again until it holds `expected` calls or 15 s pass."""
+        deadline = time.monotonic() + 15
+        while True:
+            text = open(self.log_path, errors="replace").read()
+            logged = [(m.group(1), int(m.group(2))) for m in
+                      re.finditer(r'route="?([^" ]*)"? upstream=127\.0\.0\.1:(\d+)', text)]
+            if len(logged) >= expected or time.monotonic() > deadline:
+                return logged
+            time.sleep(0.1)
 
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
@@ -262,7 +277,7 @@ def main():
             check(held == mine, f"server {'AB'[j]} holds {held}, expected {mine}")
 
         # The proxy's record: every call of a route key went to that key's server.
-        logged = proxy.calls()
+        logged = proxy.calls(expected=sum(calls.values()))
         by_key = {}
         for key, port in logged:
             by_key.setdefault(key, []).append(port)
