@@ -126,7 +126,7 @@ class Proxy:
     def errors(self):
         return open(self.err_path, errors="replace").read()
 
-    def calls(self, expected=0):
+    def calls(self, expected):
         """(route key, upstream port) of each call the proxy logged; "-" for no header.
 
         A call is logged as it ends, which on a loaded machine can be seconds after the client
