@@ -177,13 +177,12 @@ __device__ __forceinline__ uint32_t ParityOf(int64_t t) {
 template <typename Traits>
 __device__ __forceinline__ void IssueTransposedScores(float (&x)[Traits::kBlockM / 2],
                                                       uint32_t a_rows, uint32_t b_tile) {
+  const uint64_t a = wgmma::MakeDescriptor(a_rows, 0), b = wgmma::MakeDescriptor(b_tile, 0);
 #pragma unroll
   for (int ks = 0; ks < Traits::kHeadDim / 16; ++ks) {
     const uint32_t column = (ks % 4) * 32;
-    const uint64_t desc_a =
-        wgmma::MakeDescriptor(a_rows + (ks / 4) * Traits::kBlockN * 128 + column, 0);
-    const uint64_t desc_b =
-        wgmma::MakeDescriptor(b_tile + (ks / 4) * Traits::kBlockM * 128 + column, 0);
+    const uint64_t desc_a = wgmma::DescriptorPlus(a, (ks / 4) * Traits::kBlockN * 128 + column);
+    const uint64_t desc_b = wgmma::DescriptorPlus(b, (ks / 4) * Traits::kBlockM * 128 + column);
     if constexpr (Traits::kBlockM == 128) {
       wgmma::MmaSS_128(x, desc_a, desc_b, ks > 0, typename Traits::Element{});
     } else {
@@ -198,9 +197,10 @@ template <typename Traits>
 __device__ __forceinline__ void IssueKeyGradient(float (&acc)[Traits::kTileColumns / 2],
                                                  const uint32_t (&a)[Traits::kBlockM / 16][4],
                                                  uint32_t b_tile) {
+  const uint64_t b = wgmma::MakeDescriptor(b_tile, Traits::kBlockM * 128);
 #pragma unroll
   for (int ks = 0; ks < Traits::kBlockM / 16; ++ks) {
-    const uint64_t desc_b = wgmma::MakeDescriptor(b_tile + ks * 16 * 128, Traits::kBlockM * 128);
+    const uint64_t desc_b = wgmma::DescriptorPlus(b, ks * 16 * 128);
     if constexpr (Traits::kTileColumns == 128) {
       wgmma::MmaRS_128(acc, a[ks], desc_b, typename Traits::Element{});
     } else {
@@ -218,10 +218,12 @@ __device__ __forceinline__ void IssueQueryGradient(float (&dq)[Traits::kDqColumn
                                                    int first_column) {
   const uint32_t k_columns =
       k_tile + (first_column / 64) * Traits::kBlockN * 128 + (first_column % 64) * 2;
+  const uint64_t ds = wgmma::MakeDescriptor(ds_slice, Traits::kBlockN * 128);
+  const uint64_t k = wgmma::MakeDescriptor(k_columns, Traits::kBlockN * 128);
 #pragma unroll
   for (int ks = 0; ks < Traits::kBlockN / 16; ++ks) {
-    const uint64_t desc_ds = wgmma::MakeDescriptor(ds_slice + ks * 16 * 128, Traits::kBlockN * 128);
-    const uint64_t desc_k = wgmma::MakeDescriptor(k_columns + ks * 16 * 128, Traits::kBlockN * 128);
+    const uint64_t desc_ds = wgmma::DescriptorPlus(ds, ks * 16 * 128);
+    const uint64_t desc_k = wgmma::DescriptorPlus(k, ks * 16 * 128);
     wgmma::MmaSSMnMajor_64(dq, desc_ds, desc_k, ks > 0, typename Traits::Element{});
   }
 }

@@ -105,13 +105,12 @@ inline constexpr uint32_t kDqHandoffThreads = 128 + 32;  // a consumer warpgroup
 template <typename Traits>
 __device__ __forceinline__ void IssueTransposedScoresHalf(float (&x)[Traits::kGroupQueries / 2],
                                                           uint32_t a_tile, uint32_t b_rows) {
+  const uint64_t a = wgmma::MakeDescriptor(a_tile, 0), b = wgmma::MakeDescriptor(b_rows, 0);
 #pragma unroll
   for (int ks = 0; ks < Traits::kHeadDim / 16; ++ks) {
     const uint32_t column = (ks % 4) * 32;
-    const uint64_t desc_a =
-        wgmma::MakeDescriptor(a_tile + (ks / 4) * Traits::kBlockN * 128 + column, 0);
-    const uint64_t desc_b =
-        wgmma::MakeDescriptor(b_rows + (ks / 4) * Traits::kBlockM * 128 + column, 0);
+    const uint64_t desc_a = wgmma::DescriptorPlus(a, (ks / 4) * Traits::kBlockN * 128 + column);
+    const uint64_t desc_b = wgmma::DescriptorPlus(b, (ks / 4) * Traits::kBlockM * 128 + column);
     wgmma::MmaSS_32(x, desc_a, desc_b, ks > 0, typename Traits::Element{});
   }
 }
@@ -123,19 +122,22 @@ template <typename Traits>
 __device__ __forceinline__ void IssueKeyGradientFromRegisters(
     float (&acc)[Traits::kGroupColumns / 2], const uint32_t (&a)[Traits::kGroupQueries / 16][4],
     uint32_t b_rows) {
+  const uint64_t b = wgmma::MakeDescriptor(b_rows, Traits::kBlockM * 128);
 #pragma unroll
   for (int ks = 0; ks < Traits::kGroupQueries / 16; ++ks) {
-    const uint64_t desc_b = wgmma::MakeDescriptor(b_rows + ks * 16 * 128, Traits::kBlockM * 128);
+    const uint64_t desc_b = wgmma::DescriptorPlus(b, ks * 16 * 128);
     wgmma::MmaRS_128(acc, a[ks], desc_b, typename Traits::Element{});
   }
 }
 template <typename Traits>
 __device__ __forceinline__ void IssueKeyGradientFromShared(float (&acc)[Traits::kGroupColumns / 2],
                                                            uint32_t a_columns, uint32_t b_rows) {
+  const uint64_t a = wgmma::MakeDescriptor(a_columns, 0);
+  const uint64_t b = wgmma::MakeDescriptor(b_rows, Traits::kBlockM * 128);
 #pragma unroll
   for (int ks = 0; ks < Traits::kGroupQueries / 16; ++ks) {
-    const uint64_t desc_a = wgmma::MakeDescriptor(a_columns + ks * 32, 0);
-    const uint64_t desc_b = wgmma::MakeDescriptor(b_rows + ks * 16 * 128, Traits::kBlockM * 128);
+    const uint64_t desc_a = wgmma::DescriptorPlus(a, ks * 32);
+    const uint64_t desc_b = wgmma::DescriptorPlus(b, ks * 16 * 128);
     wgmma::MmaSSMnMajorB_128(acc, desc_a, desc_b, 1, typename Traits::Element{});
   }
 }

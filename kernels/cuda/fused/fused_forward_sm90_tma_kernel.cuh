@@ -231,13 +231,12 @@ __device__ __forceinline__ void ScoreMma(float (&s)[kBlockN / 2], uint64_t desc_
 template <typename Traits>
 __device__ __forceinline__ void IssueScores(float (&s)[Traits::kBlockN / 2], uint32_t q_rows,
                                             uint32_t k_tile) {
+  const uint64_t q = wgmma::MakeDescriptor(q_rows, 0), k = wgmma::MakeDescriptor(k_tile, 0);
 #pragma unroll
   for (int ks = 0; ks < Traits::kScoreSteps; ++ks) {
     const uint32_t column = (ks % 4) * 32;
-    const uint64_t desc_q =
-        wgmma::MakeDescriptor(q_rows + (ks / 4) * Traits::kBlockM * 128 + column, 0);
-    const uint64_t desc_k =
-        wgmma::MakeDescriptor(k_tile + (ks / 4) * Traits::kBlockN * 128 + column, 0);
+    const uint64_t desc_q = wgmma::DescriptorPlus(q, (ks / 4) * Traits::kBlockM * 128 + column);
+    const uint64_t desc_k = wgmma::DescriptorPlus(k, (ks / 4) * Traits::kBlockN * 128 + column);
     ScoreMma<Traits::kBlockN>(s, desc_q, desc_k, ks > 0, typename Traits::Element{});
   }
 }
@@ -249,9 +248,10 @@ __device__ __forceinline__ void IssueValues(float (&acc)[Traits::kTileColumns / 
                                             const uint32_t (&p)[Traits::kPSteps][4],
                                             uint32_t v_tile) {
   if constexpr (Traits::kFp8) {
+    const uint64_t v = wgmma::MakeDescriptor(v_tile, 0);
 #pragma unroll
     for (int ps = 0; ps < Traits::kPSteps; ++ps) {
-      const uint64_t desc_v = wgmma::MakeDescriptor(v_tile + ps * 32, 0);
+      const uint64_t desc_v = wgmma::DescriptorPlus(v, ps * 32);
       if constexpr (Traits::kTileColumns == 256) {
         wgmma::MmaRS_256(acc, p[ps], desc_v, typename Traits::Element{});
       } else {
@@ -259,9 +259,10 @@ __device__ __forceinline__ void IssueValues(float (&acc)[Traits::kTileColumns / 
       }
     }
   } else {
+    const uint64_t v = wgmma::MakeDescriptor(v_tile, Traits::kBlockN * 128);
 #pragma unroll
     for (int ps = 0; ps < Traits::kPSteps; ++ps) {
-      const uint64_t desc_v = wgmma::MakeDescriptor(v_tile + ps * 16 * 128, Traits::kBlockN * 128);
+      const uint64_t desc_v = wgmma::DescriptorPlus(v, ps * 16 * 128);
       if constexpr (Traits::kTileColumns == 256) {
         wgmma::MmaRS_256(acc, p[ps], desc_v, typename Traits::Element{});
       } else if constexpr (Traits::kTileColumns == 128) {

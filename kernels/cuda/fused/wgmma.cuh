@@ -32,12 +32,23 @@ __host__ __device__ constexpr int SwizzledByteOffset(int row, int col, int rows)
 //   leading byte offset is unused.
 //   MN-major operands (V as B of P V): 64-column blocks are `leading_bytes` apart; 8-row
 //   (8-key) groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t MakeDescriptor(uint32_t smem, uint32_t leading_bytes) {
+__host__ __device__ __forceinline__ uint64_t MakeDescriptor(uint32_t smem, uint32_t leading_bytes) {
   uint64_t desc = (smem & 0x3FFFFu) >> 4;
   desc |= static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFFu) << 16;
   desc |= static_cast<uint64_t>(1024u >> 4) << 32;
   desc |= uint64_t{1} << 62;  // 128-byte swizzle
   return desc;
+}
+
+// The descriptor of the operand `bytes` past the one `desc` describes (bytes a multiple of 16):
+// its start address field (bits 0-13, the address / 16) advanced in the low word alone, which
+// never carries into the leading byte offset above it since shared memory ends below 2^18
+// bytes. It equals MakeDescriptor(smem + bytes, ...) at one 32-bit add, an immediate where
+// `bytes` is a constant; building each k-step's descriptor afresh cost some eight instructions
+// a wgmma (ptxas does not fold the address mask across the add).
+__host__ __device__ __forceinline__ uint64_t DescriptorPlus(uint64_t desc, uint32_t bytes) {
+  const uint32_t low = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | low;
 }
 
 __device__ __forceinline__ void Fence() {
