@@ -134,12 +134,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
       auto& s_flat = reinterpret_cast<float(&)[kBlockN / 2]>(s[0]);
       const uint32_t k_stage = k_smem + stage * Traits::kKVTileBytes;
       wgmma::Fence();
-      const uint64_t q = wgmma::MakeDescriptor(q_smem, 0), k = wgmma::MakeDescriptor(k_stage, 0);
+      const uint64_t q_desc = wgmma::MakeDescriptor(q_smem, 0);
+      const uint64_t k_desc = wgmma::MakeDescriptor(k_stage, 0);
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         const uint32_t column = (ks % 4) * 32;  // k-step within the 64-column block
-        const uint64_t desc_q = wgmma::DescriptorPlus(q, (ks / 4) * kBlockM * 128 + column);
-        const uint64_t desc_k = wgmma::DescriptorPlus(k, (ks / 4) * kBlockN * 128 + column);
+        const uint64_t desc_q = wgmma::DescriptorPlus(q_desc, (ks / 4) * kBlockM * 128 + column);
+        const uint64_t desc_k = wgmma::DescriptorPlus(k_desc, (ks / 4) * kBlockN * 128 + column);
         if constexpr (kBlockN == 128) {
           wgmma::MmaSS_128(s_flat, desc_q, desc_k, ks > 0, element_tag);
         } else {
@@ -179,10 +180,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
       auto& acc_flat = reinterpret_cast<float(&)[kHeadDim / 2]>(acc[0]);
       const uint32_t v_stage = v_smem + stage * Traits::kKVTileBytes;
       wgmma::Fence();
-      const uint64_t v = wgmma::MakeDescriptor(v_stage, Traits::kBlockN * 128);
+      const uint64_t v_desc = wgmma::MakeDescriptor(v_stage, Traits::kBlockN * 128);
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps) {
-        const uint64_t desc_v = wgmma::DescriptorPlus(v, ps * 16 * 128);
+        const uint64_t desc_v = wgmma::DescriptorPlus(v_desc, ps * 16 * 128);
         if constexpr (kHeadDim == 128) {
           wgmma::MmaRS_128(acc_flat, p_frag[ps], desc_v, element_tag);
         } else {
