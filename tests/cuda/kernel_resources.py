@@ -61,9 +61,9 @@ def parse_reports(paths):
         current = None
         for line in pathlib.Path(path).read_text(errors="replace").splitlines():
             if m := COMPILING.search(line):
-                current = Kernel(arch=m.group(2), mangled=m.group(1), source=str(path))
-                kernels.setdefault((current.arch, current.mangled), current)
-                current = kernels[(current.arch, current.mangled)]
+                arch, mangled = m.group(2), m.group(1)
+                current = kernels.setdefault((arch, mangled),
+                                             Kernel(arch, mangled, source=str(path)))
             elif current and (m := PROPERTIES.search(line)):
                 current.stack, current.spill_stores, current.spill_loads = map(int, m.groups())
             elif current and (m := REGISTERS.search(line)):
