@@ -47,6 +47,11 @@ def parse_args():
                     help="skip MATH above this N (it materialises batch*heads*N^2 scores)")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--sustained-s", type=float, default=0,
+                    help="fwd/bwd: instead of do_bench, run calls back to back for 1.5 s, then "
+                         "time each call of this many seconds more (CUDA events, "
+                         "no cache flush between calls, as attn_kernel_bench with a long "
+                         "--min_ms): the clocks a power-capped GPU holds under sustained load")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--head-width", type=int, default=2048)
     ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
@@ -141,8 +146,13 @@ def measure(args):
                                             q, k, v, is_causal=causal)
                                     fn()
                                     torch.cuda.synchronize()
-                                    ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
-                                                  return_mode="median")
+                                    if args.sustained_s > 0:
+                                        ms, window = sustained_ms(fn, args.sustained_s)
+                                        row.update(mode="sustained", timed_from=window[0],
+                                                   timed_to=window[1])
+                                    else:
+                                        ms = do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
+                                                      return_mode="median")
                                 row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, status="ok")
                             except (RuntimeError, torch.OutOfMemoryError) as e:
                                 row["status"] = f"error: {str(e).splitlines()[0][:120]}"
@@ -156,6 +166,33 @@ def measure(args):
                     del q, k, v
                     torch.cuda.empty_cache()
     return results
+
+
+def sustained_ms(fn, seconds):
+    """The median ms of fn over `seconds` of back-to-back calls after 1.5 s of them (long enough
+    for a power-capped GPU to settle its clock), and the wall-clock window (Unix seconds) of the
+    timed calls."""
+    import time
+
+    import torch
+    end = time.time() + 1.5
+    while time.time() < end:
+        fn()
+    torch.cuda.synchronize()
+    pairs = []
+    start = time.time()
+    while time.time() < start + seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        pairs.append((a, b))
+    torch.cuda.synchronize()
+    stop = time.time()
+    times = sorted(a.elapsed_time(b) for a, b in pairs)
+    n = len(times)
+    ms = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
+    return ms, (round(start, 3), round(stop, 3))
 
 
 def load_ours_decode(path):

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -234,9 +235,16 @@ struct Row {
   double ms = 0, tflops = 0;
   int64_t workspace_bytes = -1;  // device memory the engine added (pool, cuBLAS), after the run
   int repeats = 0;
+  // Wall clock (Unix seconds) of the timed repeats: from their first enqueue to the stream's
+  // drain, so that a clock and power log (nvidia-smi) can be read over the same window.
+  double timed_from = 0, timed_to = 0;
   double rms_error = -1, max_error = -1;  // --fp8 rows: against the 16-bit output
   std::string status = "ok";
 };
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 double Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -268,10 +276,11 @@ struct EngineChoice {
 
 // The median ms of call(i) over repeats (CUDA events around each on `stream`): one call, then
 // after_first(), warm-up for warmup_ms (2 calls at least), then enough repeats for min_ms within
-// [10, max_repeats], their count in *repeats_out. A failing call's status is returned.
+// [10, max_repeats], their count in *repeats_out and their wall-clock window in row's
+// timed_from / timed_to. A failing call's status is returned.
 template <typename Call, typename AfterFirst>
 absl::StatusOr<double> MedianMs(const Flags& f, cudaStream_t stream, Call call, int* repeats_out,
-                                AfterFirst after_first) {
+                                AfterFirst after_first, Row* window = nullptr) {
   ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
   ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
   ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
@@ -290,12 +299,17 @@ absl::StatusOr<double> MedianMs(const Flags& f, cudaStream_t stream, Call call, 
     ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
     events.push_back(std::move(e));
   }
+  const double timed_from = WallSeconds();
   for (int i = 0; i < repeats; ++i) {
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i].get(), stream));
     ATTN_RETURN_IF_ERROR(call(i + 1));
     ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(events[2 * i + 1].get(), stream));
   }
   ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (window != nullptr) {
+    window->timed_from = timed_from;
+    window->timed_to = WallSeconds();
+  }
   std::vector<float> times(repeats);
   for (int i = 0; i < repeats; ++i) {
     ATTN_CUDA_RETURN_IF_ERROR(
@@ -369,7 +383,7 @@ absl::Status TimeOne(const Flags& f, Buffers& buf, const EngineChoice& choice, D
   // The first call sizes the engine's workspace.
   const absl::StatusOr<double> ms = MedianMs(
       f, stream, [&](int i) { return call(i % sets); }, &row.repeats,
-      [&] { row.workspace_bytes = DeviceUsedBytes() - used_before; });
+      [&] { row.workspace_bytes = DeviceUsedBytes() - used_before; }, &row);
   cudaStreamDestroy(stream);
   if (!ms.ok()) {
     row.status = ms.status().ToString();
@@ -485,7 +499,8 @@ absl::Status TimeFp8(const Flags& f, Buffers& buf, DType dtype, int d, bool caus
     return cuda::LaunchFp8Forward(scratch[set], stream);
   };
   const auto time = [&](Row& row, const auto& call) {
-    const absl::StatusOr<double> ms = MedianMs(f, stream, call, &row.repeats, [] {});
+    const absl::StatusOr<double> ms = MedianMs(
+        f, stream, call, &row.repeats, [] {}, &row);
     if (!ms.ok()) {
       row.status = ms.status().ToString();
       return;
@@ -515,10 +530,11 @@ void Print(const Flags& f, const Row& r) {
     std::printf(
         "{\"bench\":\"attn_kernel_bench\",\"pass\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\","
         "\"d\":%d,\"causal\":%s,\"N\":%d,\"batch\":%d,\"heads\":%d,\"ms\":%.5f,\"tflops\":%.3f,"
-        "\"repeats\":%d,\"workspace_bytes\":%lld,%s\"status\":\"%s\"}\n",
+        "\"repeats\":%d,\"timed_from\":%.3f,\"timed_to\":%.3f,\"workspace_bytes\":%lld,%s"
+        "\"status\":\"%s\"}\n",
         f.backward ? "bwd" : "fwd", r.engine.c_str(), ShortDType(r.dtype), r.d,
-        r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats,
-        static_cast<long long>(r.workspace_bytes),
+        r.causal ? "true" : "false", r.n, r.batch, r.heads, r.ms, r.tflops, r.repeats, r.timed_from,
+        r.timed_to, static_cast<long long>(r.workspace_bytes),
         r.rms_error < 0
             ? ""
             : absl::StrCat("\"rms_error\":", r.rms_error, ",\"max_error\":", r.max_error, ",")
