@@ -6,9 +6,11 @@
 # the log over each row's timed window and prints TFLOP/s, clock and power side by side.
 #
 # There (device tool, repo root, carry build/gpu-bundle): bash bench/sustained.sh
-# Results in $OUT: ours.jsonl, sdpa.jsonl, smi.csv, table.md.
-# Knobs (environment): BUNDLE, SECONDS_EACH (timed seconds a row after 1.5 s of warm-up, default 3), PASSES (fwd,bwd),
-# DTYPES (bf16), DS (64,128), CAUSALS (0,1), NS (1024,4096,16384).
+# Results in $OUT (rows and the log appended to, so that runs with other knobs can share it):
+# ours.jsonl, sdpa.jsonl, smi.csv, and table.md over all of them.
+# Knobs (environment, space-separated lists): BUNDLE, SECONDS_EACH (timed seconds a row after
+# 1.5 s of warm-up, default 3), PASSES (fwd bwd), DTYPES (bf16), DS (64 128), CAUSALS (0 1),
+# NS (1024 4096 16384).
 set -uo pipefail
 
 bundle=${BUNDLE:-build/gpu-bundle}
@@ -20,7 +22,7 @@ each=${SECONDS_EACH:-3}
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader \
   >"$out/gpu.txt"
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
-  --format=csv,noheader,nounits -lms 100 >"$out/smi.csv" &
+  --format=csv,noheader,nounits -lms 100 >>"$out/smi.csv" &
 smi=$!
 trap 'kill $smi 2>/dev/null' EXIT
 for pass in ${PASSES:-fwd bwd}; do
