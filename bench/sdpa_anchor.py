@@ -172,6 +172,7 @@ def sustained_ms(fn, seconds):
     """The median ms of fn over `seconds` of back-to-back calls after 1.5 s of them (long enough
     for a power-capped GPU to settle its clock), and the wall-clock window (Unix seconds) of the
     timed calls."""
+    import statistics
     import time
 
     import torch
@@ -189,9 +190,7 @@ def sustained_ms(fn, seconds):
         pairs.append((a, b))
     torch.cuda.synchronize()
     stop = time.time()
-    times = sorted(a.elapsed_time(b) for a, b in pairs)
-    n = len(times)
-    ms = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
+    ms = statistics.median(a.elapsed_time(b) for a, b in pairs)
     return ms, (round(start, 3), round(stop, 3))
 
 

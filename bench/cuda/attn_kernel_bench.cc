@@ -276,33 +276,30 @@ struct EngineChoice {
 
 // The median ms of call(i) over repeats (CUDA events around each on `stream`): one call, then
 // after_first(), a second call to size the rest, warm-up for warmup_ms (2 calls at least), then
-// enough repeats for min_ms within
-// [10, max_repeats], their count in *repeats_out and their wall-clock window in row's
-// timed_from / timed_to. A failing call's status is returned.
+// enough repeats for min_ms within [10, max_repeats], their count in *repeats_out and their
+// wall-clock window in window's timed_from / timed_to. A failing call's status is returned.
 template <typename Call, typename AfterFirst>
 absl::StatusOr<double> MedianMs(const Flags& f, cudaStream_t stream, Call call, int* repeats_out,
                                 AfterFirst after_first, Row* window = nullptr) {
   ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent start, cuda::CudaEvent::Create(true));
   ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent stop, cuda::CudaEvent::Create(true));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
-  ATTN_RETURN_IF_ERROR(call(0));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  float first_ms = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&first_ms, start.get(), stop.get()));
+  const auto time_call_0 = [&]() -> absl::StatusOr<float> {
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
+    ATTN_RETURN_IF_ERROR(call(0));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    float ms = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    return ms;
+  };
+  ATTN_ASSIGN_OR_RETURN(const float first_ms, time_call_0());
   after_first();
   // The first call also loads modules and sizes workspaces: the counts below come from a second.
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), stream));
-  ATTN_RETURN_IF_ERROR(call(0));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), stream));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  float second_ms = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&second_ms, start.get(), stop.get()));
-  first_ms = std::min(first_ms, second_ms);
-  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / std::max(first_ms, 0.01f)));
+  ATTN_ASSIGN_OR_RETURN(const float second_ms, time_call_0());
+  const float call_ms = std::max(std::min(first_ms, second_ms), 0.01f);
+  const int warmups = std::max(2, static_cast<int>(f.warmup_ms / call_ms));
   for (int i = 0; i < warmups; ++i) ATTN_RETURN_IF_ERROR(call(i));
-  const int repeats =
-      std::clamp(static_cast<int>(f.min_ms / std::max(first_ms, 0.01f)), 10, f.max_repeats);
+  const int repeats = std::clamp(static_cast<int>(f.min_ms / call_ms), 10, f.max_repeats);
   std::vector<cuda::CudaEvent> events;
   for (int i = 0; i < 2 * repeats; ++i) {
     ATTN_ASSIGN_OR_RETURN(cuda::CudaEvent e, cuda::CudaEvent::Create(true));
