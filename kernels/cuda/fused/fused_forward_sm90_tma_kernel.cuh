@@ -163,7 +163,7 @@ namespace sm90_tma {
 inline constexpr uint32_t kTurnBarrier = 1;
 inline constexpr uint32_t kTurnThreads = 256;  // the warpgroup handing over and the one taking it
 // The copy-engine epilogue, per consumer warpgroup w (up to three): w's rows of O are in its box
-// (w arrives, its store warp syncs) / the box is free again (the other way round).
+// (w arrives, its store warp syncs) / the box is free again (both sync).
 inline constexpr uint32_t kOutputStagedBarrier = 4;
 inline constexpr uint32_t kOutputFreeBarrier = 7;
 inline constexpr uint32_t kOutputHandoffThreads = 128 + 32;  // a consumer warpgroup, a store warp
@@ -510,7 +510,10 @@ __device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& pa
   constexpr int kBoxRows = Traits::kOutputBoxRows;
   const int lane = threadIdx.x % 32;
   if (lane == 0) tma::PrefetchTensorMap(&params.o_map);
-  tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
+  // The hand-back is a sync, not an arrival, on this side too: the lanes' own reads of the box
+  // (CopyOutputRows) are then ordered before the consumers' next writes (racecheck reported them
+  // racing behind a bar.arrive). The warp has nothing else to do while it waits.
+  tma::NamedBarrierSync(kOutputFreeBarrier + group, kOutputHandoffThreads);
   for (;;) {
     tma::NamedBarrierSync(kOutputStagedBarrier + group, kOutputHandoffThreads);
     const uint4 fields = ptx::LoadShared128(header);
@@ -533,7 +536,7 @@ __device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& pa
     if (by_engine < h.rows) CopyOutputRows<Traits>(params.p, box, h, by_engine, lane);
     if (lane == 0) tma::BulkWaitRead();
     __syncwarp();
-    tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
+    tma::NamedBarrierSync(kOutputFreeBarrier + group, kOutputHandoffThreads);
   }
   if (lane == 0) tma::BulkWait();  // O written before the grid ends
 }
@@ -567,8 +570,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t v_tiles = q_tile + Traits::kVOffset;
   const Barriers<Traits> bars{q_tile + Traits::kBarrierOffset};
   int* const slots = reinterpret_cast<int*>(swizzled_smem + Traits::kSlotOffset);
-  [[maybe_unused]] OutputBoxHeader* const box_headers =
-      reinterpret_cast<OutputBoxHeader*>(swizzled_smem + Traits::kOutputHeaderOffset);
 
   if (threadIdx.x == 0) {
     tma::InitBarrier(bars.q_full(), 1);
@@ -793,8 +794,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kCopyEngineEpilogue) {
       if (threadIdx.x % 128 == 0) {
         const QueryTileAt at_o = QueryTileOf(p, block);
-        box_headers[consumer] = {at_o.row + 64 * consumer, block.head, at_o.sequence,
-                                 max(0, min(64, rows_in_block - 64 * consumer))};
+        ptx::StoreShared128(q_tile + Traits::kOutputHeaderOffset + 16 * consumer,
+                            make_uint4(at_o.row + 64 * consumer, block.head, at_o.sequence,
+                                       max(0, min(64, rows_in_block - 64 * consumer))));
       }
       wgmma::FenceSharedForAsyncProxy();
       tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
@@ -804,7 +806,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The walk is over: the store warp's last hand-over, then the header that ends its loop.
   if constexpr (kCopyEngineEpilogue) {
     tma::NamedBarrierSync(kOutputFreeBarrier + consumer, kOutputHandoffThreads);
-    if (threadIdx.x % 128 == 0) box_headers[consumer].rows = -1;
+    if (threadIdx.x % 128 == 0) {
+      ptx::StoreShared128(q_tile + Traits::kOutputHeaderOffset + 16 * consumer,
+                          make_uint4(0, 0, 0, static_cast<uint32_t>(-1)));
+    }
     tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
   }
 #endif  // ATTN_WGMMA_AVAILABLE
