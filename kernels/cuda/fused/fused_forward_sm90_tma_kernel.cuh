@@ -163,7 +163,7 @@ namespace sm90_tma {
 inline constexpr uint32_t kTurnBarrier = 1;
 inline constexpr uint32_t kTurnThreads = 256;  // the warpgroup handing over and the one taking it
 // The copy-engine epilogue, per consumer warpgroup w (up to three): w's rows of O are in its box
-// (w arrives, its store warp syncs) / the box is free again (both sync).
+// (w arrives, its store warp syncs) / the box is free again (the other way round).
 inline constexpr uint32_t kOutputStagedBarrier = 4;
 inline constexpr uint32_t kOutputFreeBarrier = 7;
 inline constexpr uint32_t kOutputHandoffThreads = 128 + 32;  // a consumer warpgroup, a store warp
@@ -484,8 +484,10 @@ __device__ __forceinline__ uint32_t OutputBoxOffset(int r, int cb, int c) {
 }
 
 // Rows [from, h.rows) of a variable-length block's box (the ones the O map would carry on into
-// the next sequence) to O by the store warp's lanes, 16 bytes a lane and piece (O has a map, so
-// its rows are 16-byte aligned).
+// the next sequence) to O by the store warp's lanes: a 16-byte bulk copy a piece (O has a map,
+// so its rows are 16-byte aligned). Only the copy engine reads the boxes, never the warp's
+// lanes, so that the named barriers' arrivals order every access (a bar.arrive does not order
+// plain loads for compute-sanitizer's racecheck).
 template <typename Traits>
 __device__ __forceinline__ void CopyOutputRows(const FusedForwardParams& p, uint32_t box,
                                                const OutputBoxHeader& h, int from, int lane) {
@@ -495,9 +497,9 @@ __device__ __forceinline__ void CopyOutputRows(const FusedForwardParams& p, uint
                  int64_t{h.head} * p.o_head_stride;
   for (int i = from * kPieces + lane; i < h.rows * kPieces; i += 32) {
     const int r = i / kPieces, c = i % kPieces;
-    ptx::StoreGlobal128(rows + r * p.o_token_stride + c * 8,
-                        ptx::LoadShared128(box + OutputBoxOffset(r, c / 8, c % 8)));
+    tma::StoreBulk(rows + r * p.o_token_stride + c * 8, box + OutputBoxOffset(r, c / 8, c % 8), 16);
   }
+  tma::BulkCommit();
 }
 
 // Store warp `group`'s loop: each block's box of its consumer warpgroup to O until the header
@@ -510,10 +512,7 @@ __device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& pa
   constexpr int kBoxRows = Traits::kOutputBoxRows;
   const int lane = threadIdx.x % 32;
   if (lane == 0) tma::PrefetchTensorMap(&params.o_map);
-  // The hand-back is a sync, not an arrival, on this side too: the lanes' own reads of the box
-  // (CopyOutputRows) are then ordered before the consumers' next writes (racecheck reported them
-  // racing behind a bar.arrive). The warp has nothing else to do while it waits.
-  tma::NamedBarrierSync(kOutputFreeBarrier + group, kOutputHandoffThreads);
+  tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
   for (;;) {
     tma::NamedBarrierSync(kOutputStagedBarrier + group, kOutputHandoffThreads);
     const uint4 fields = ptx::LoadShared128(header);
@@ -534,11 +533,11 @@ __device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& pa
       tma::BulkCommit();
     }
     if (by_engine < h.rows) CopyOutputRows<Traits>(params.p, box, h, by_engine, lane);
-    if (lane == 0) tma::BulkWaitRead();
+    tma::BulkWaitRead();  // each lane's own copies
     __syncwarp();
-    tma::NamedBarrierSync(kOutputFreeBarrier + group, kOutputHandoffThreads);
+    tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
   }
-  if (lane == 0) tma::BulkWait();  // O written before the grid ends
+  tma::BulkWait();  // O written before the grid ends
 }
 
 }  // namespace sm90_tma
@@ -570,6 +569,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t v_tiles = q_tile + Traits::kVOffset;
   const Barriers<Traits> bars{q_tile + Traits::kBarrierOffset};
   int* const slots = reinterpret_cast<int*>(swizzled_smem + Traits::kSlotOffset);
+  [[maybe_unused]] OutputBoxHeader* const box_headers =
+      reinterpret_cast<OutputBoxHeader*>(swizzled_smem + Traits::kOutputHeaderOffset);
 
   if (threadIdx.x == 0) {
     tma::InitBarrier(bars.q_full(), 1);
@@ -794,9 +795,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kCopyEngineEpilogue) {
       if (threadIdx.x % 128 == 0) {
         const QueryTileAt at_o = QueryTileOf(p, block);
-        ptx::StoreShared128(q_tile + Traits::kOutputHeaderOffset + 16 * consumer,
-                            make_uint4(at_o.row + 64 * consumer, block.head, at_o.sequence,
-                                       max(0, min(64, rows_in_block - 64 * consumer))));
+        box_headers[consumer] = {at_o.row + 64 * consumer, block.head, at_o.sequence,
+                                 max(0, min(64, rows_in_block - 64 * consumer))};
       }
       wgmma::FenceSharedForAsyncProxy();
       tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
@@ -806,10 +806,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The walk is over: the store warp's last hand-over, then the header that ends its loop.
   if constexpr (kCopyEngineEpilogue) {
     tma::NamedBarrierSync(kOutputFreeBarrier + consumer, kOutputHandoffThreads);
-    if (threadIdx.x % 128 == 0) {
-      ptx::StoreShared128(q_tile + Traits::kOutputHeaderOffset + 16 * consumer,
-                          make_uint4(0, 0, 0, static_cast<uint32_t>(-1)));
-    }
+    if (threadIdx.x % 128 == 0) box_headers[consumer].rows = -1;
     tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
   }
 #endif  // ATTN_WGMMA_AVAILABLE

@@ -91,6 +91,15 @@ __device__ __forceinline__ void Store4d(const void* map, uint32_t src, int c0, i
       : "memory");
 }
 
+// Copies `bytes` (a multiple of 16) from shared memory at `src` to device memory at `dst`, both
+// 16-byte aligned; a bulk group of the calling thread, as Store4d.
+__device__ __forceinline__ void StoreBulk(void* dst, uint32_t src, uint32_t bytes) {
+  ATTN_SM90_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(
+                    reinterpret_cast<uint64_t>(dst)),
+                "r"(src), "r"(bytes)
+                : "memory");
+}
+
 // ---- Bulk reductions: shared memory added into global memory by the copy engine, float32
 // element by element (not atomic as a whole, each element added atomically). Groups are per
 // thread: Commit closes the thread's copies issued since its last Commit.
