@@ -122,12 +122,11 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kOutputBoxOffset = (kStagedEnd + 1023) / 1024 * 1024;
   static constexpr int kGroupOutputBytes = 64 * 128 * kColumnBlocks;
   static constexpr int kOutputBoxRows = 16;  // the O map's box: a warp's rows
-  static constexpr int kOutputHeaderOffset =
-      kOutputBoxOffset + kConsumerWarpGroups * kGroupOutputBytes;
-  static constexpr int kOutputHeaderBytes = 16;
-  static constexpr int kCopyEngineEnd =
-      kOutputHeaderOffset + kConsumerWarpGroups * kOutputHeaderBytes;
-  static constexpr bool kCopyEngineEpilogue = !kFp8 && kCopyEngineEnd <= 227 * 1024;
+  static constexpr int kCopyEngineEnd = kOutputBoxOffset + kConsumerWarpGroups * kGroupOutputBytes;
+  // Head_dim 128 only, where it measured faster at 512-1024 keys (1.03-1.07x, docs/cuda-fused.md,
+  // "The copy-engine epilogue"); at 64 it ran level or up to 2-4% slower, and 96 was not measured.
+  static constexpr bool kCopyEngineEpilogue =
+      !kFp8 && kHeadDim == 128 && kCopyEngineEnd <= 227 * 1024;
   static constexpr int kSmemBytes = kCopyEngineEpilogue ? kCopyEngineEnd : kStagedEnd;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "P V is m64n64, n128 (head_dim 96 and 128) or n256");
@@ -470,11 +469,9 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
 // (docs/cuda-fused.md, "What limits it now"), leave their path.
 struct OutputBoxHeader {
   // The box's first row in the O map's coordinates (in a variable-length batch, whose map is one
-  // sequence of every token, that is the row's token); rows: of the box's 64 inside the block,
-  // or -1 once the walk is over.
+  // sequence of every token, that is the row's token); rows: of the box's 64 inside the block.
   int map_row, head, map_sequence, rows;
 };
-static_assert(sizeof(OutputBoxHeader) == 16, "read by one 16-byte shared load");
 
 // Element (r, column block cb, 16-byte chunk c) of a box: the 128-byte swizzle puts chunk c of
 // row r at c ^ (r % 8), as the copy engine reads it; a warp's 8 rows of one 4-byte store then
@@ -502,25 +499,35 @@ __device__ __forceinline__ void CopyOutputRows(const FusedForwardParams& p, uint
   tma::BulkCommit();
 }
 
-// Store warp `group`'s loop: each block's box of its consumer warpgroup to O until the header
-// says the walk is over. The copy engine takes boxes of 16 rows: in a dense batch every box
+// Store warp `group`'s loop. It reads the CTA's block places as the consumers do (every lane
+// releases the slot, as every consumer thread does), so that it knows each block's rows without
+// a header from the consumers; for each block that has rows, it hands the box back (arrives:
+// the previous block's copies have read it), waits for the consumer warpgroup's rows, and has
+// the copy engine store them. The copy engine takes boxes of 16 rows: in a dense batch every box
 // holding a row of the block (the map drops the rows past the sequence), in a variable-length
-// one the full ones only, the lanes copying the rest.
+// one the full ones only, the lanes copying the rest. The consumers' writes and the copies are
+// ordered by the named barriers and the consumers' proxy fence; no lane reads a box itself.
 template <typename Traits>
-__device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& params, uint32_t box,
-                                                 uint32_t header, int group) {
+__device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& params,
+                                                 const QueryBlockOrder& order,
+                                                 const Barriers<Traits>& bars, const int* slots,
+                                                 uint32_t box, int group) {
   constexpr int kBoxRows = Traits::kOutputBoxRows;
+  const FusedForwardParams& p = params.p;
   const int lane = threadIdx.x % 32;
   if (lane == 0) tma::PrefetchTensorMap(&params.o_map);
-  tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
-  for (;;) {
+  for (int step = 0;; ++step) {
+    const int place = ReadQueryBlockSlot(bars, slots, step);
+    if (place >= order.total) break;
+    const QueryBlockIndex at = order[place];
+    const QueryBlock<Traits::kBlockM> block(p, at.m_block, at.head, at.batch);
+    if (block.empty()) continue;
+    const QueryTileAt at_o = QueryTileOf(p, block);
+    const OutputBoxHeader h{at_o.row + 64 * group, block.head, at_o.sequence,
+                            max(0, min(64, block.rows() - 64 * group))};
+    tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
     tma::NamedBarrierSync(kOutputStagedBarrier + group, kOutputHandoffThreads);
-    const uint4 fields = ptx::LoadShared128(header);
-    const OutputBoxHeader h{static_cast<int>(fields.x), static_cast<int>(fields.y),
-                            static_cast<int>(fields.z), static_cast<int>(fields.w)};
-    if (h.rows < 0) break;
-    const bool varlen = params.p.cu_seqlens_q != nullptr;
-    const int by_engine = varlen ? h.rows / kBoxRows * kBoxRows : h.rows;
+    const int by_engine = p.cu_seqlens_q != nullptr ? h.rows / kBoxRows * kBoxRows : h.rows;
     if (lane == 0 && by_engine > 0) {
       for (int g = 0; g * kBoxRows < by_engine; ++g) {
 #pragma unroll
@@ -532,10 +539,9 @@ __device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& pa
       }
       tma::BulkCommit();
     }
-    if (by_engine < h.rows) CopyOutputRows<Traits>(params.p, box, h, by_engine, lane);
-    tma::BulkWaitRead();  // each lane's own copies
+    if (by_engine < h.rows) CopyOutputRows<Traits>(p, box, h, by_engine, lane);
+    tma::BulkWaitRead();  // each lane's own copies have read the box
     __syncwarp();
-    tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
   }
   tma::BulkWait();  // O written before the grid ends
 }
@@ -569,8 +575,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t v_tiles = q_tile + Traits::kVOffset;
   const Barriers<Traits> bars{q_tile + Traits::kBarrierOffset};
   int* const slots = reinterpret_cast<int*>(swizzled_smem + Traits::kSlotOffset);
-  [[maybe_unused]] OutputBoxHeader* const box_headers =
-      reinterpret_cast<OutputBoxHeader*>(swizzled_smem + Traits::kOutputHeaderOffset);
 
   if (threadIdx.x == 0) {
     tma::InitBarrier(bars.q_full(), 1);
@@ -579,7 +583,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int slot = 0; slot < 2; ++slot) {
       tma::InitBarrier(bars.slot_full(slot), 1);
-      tma::InitBarrier(bars.slot_empty(slot), kConsumerThreads);
+      // Every consumer thread releases a slot, and every store warp's lane where they read them.
+      tma::InitBarrier(
+          bars.slot_empty(slot),
+          kConsumerThreads + (kCopyEngineEpilogue ? 32 * Traits::kConsumerWarpGroups : 0));
     }
 #pragma unroll
     for (int stage = 0; stage < kStages; ++stage) {
@@ -600,8 +607,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (group >= 0) {
         if (group < Traits::kConsumerWarpGroups) {
           StoreOutputBoxes<Traits>(
-              params, q_tile + Traits::kOutputBoxOffset + group * Traits::kGroupOutputBytes,
-              q_tile + Traits::kOutputHeaderOffset + 16 * group, group);
+              params, order, bars, slots,
+              q_tile + Traits::kOutputBoxOffset + group * Traits::kGroupOutputBytes, group);
         }
         return;
       }
@@ -793,22 +800,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     if constexpr (kCopyEngineEpilogue) {
-      if (threadIdx.x % 128 == 0) {
-        const QueryTileAt at_o = QueryTileOf(p, block);
-        box_headers[consumer] = {at_o.row + 64 * consumer, block.head, at_o.sequence,
-                                 max(0, min(64, rows_in_block - 64 * consumer))};
-      }
       wgmma::FenceSharedForAsyncProxy();
       tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
     }
   }
   if (consumer == 0) tma::NamedBarrierSync(my_turn, kTurnThreads);
-  // The walk is over: the store warp's last hand-over, then the header that ends its loop.
-  if constexpr (kCopyEngineEpilogue) {
-    tma::NamedBarrierSync(kOutputFreeBarrier + consumer, kOutputHandoffThreads);
-    if (threadIdx.x % 128 == 0) box_headers[consumer].rows = -1;
-    tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
-  }
 #endif  // ATTN_WGMMA_AVAILABLE
 }
 
