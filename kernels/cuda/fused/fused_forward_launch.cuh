@@ -29,7 +29,8 @@ cudaError_t LaunchQueryBlocks(void (*kernel)(FusedForwardParams), const FusedFor
   return LaunchWithSharedMemory(kernel, grid, Traits::kThreads, Traits::kSmemBytes, stream, params);
 }
 
-// The warp-specialised kernel with Traits' shape: the tensor maps of Q, K and V, then its
+// The warp-specialised kernel with Traits' shape: the tensor maps of Q, K and V (and O, for the
+// copy-engine epilogue), then its
 // persistent grid (query_schedule.cuh). cudaErrorNotSupported when it cannot run here (no
 // sm_90a code for this device, no tensor-map encoder, tensors the copy engine cannot address,
 // no queue counters given, 2^31 query blocks or more).
@@ -52,6 +53,12 @@ cudaError_t LaunchFusedForwardSm90Tma(const FusedForwardParams& p, cudaStream_t 
   params.p = p;
   cudaError_t err = EncodeQkvTensorMaps(p, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN,
                                         &params.q_map, &params.k_map, &params.v_map);
+  // The shapes with the copy-engine epilogue need O's map too (O's rows and their start in
+  // whole 16 bytes, as Q's): without one, cudaErrorNotSupported, and kAuto goes on to the next
+  // kernel.
+  if (err == cudaSuccess && Traits::kCopyEngineEpilogue) {
+    err = EncodeOTensorMap(p, Traits::kHeadDim, Traits::kOutputBoxRows, &params.o_map);
+  }
   unsigned ctas = 0;
   if (err == cudaSuccess) {
     err = PersistentCtas(QueryBlocksOf<Traits::kBlockM>(p), p.persistent_ctas, &ctas);

@@ -112,8 +112,22 @@ struct FusedForwardSm90TmaTraits {
   static constexpr int kWarpStagingBytes = attn::cuda::kWarpStagingBytes<kOutputRowBytes>;
   static constexpr int kStagingBytes = kConsumerThreads / 32 * kWarpStagingBytes;
   static constexpr bool kStagedEpilogue = kStagingOffset + kStagingBytes <= 227 * 1024;
-  static constexpr int kSmemBytes =
+  static constexpr int kStagedEnd =
       kStagedEpilogue ? kStagingOffset + kStagingBytes : kSlotOffset + 2 * 4;
+  // Where they fit as well (the 128-key shapes at head_dim 64, 96 and 128), each consumer
+  // warpgroup has a box of its 64 rows of O (kColumnBlocks 128-byte-swizzled column blocks, the
+  // layout the copy engine reads) and a header telling where they go; a warp of the producer
+  // warpgroup stores them by the copy engine (the copy-engine epilogue, below). 16-bit O only.
+  // Kernels whose K/V source has no O map (the paged prefill) keep the staged rows.
+  static constexpr int kOutputBoxOffset = (kStagedEnd + 1023) / 1024 * 1024;
+  static constexpr int kGroupOutputBytes = 64 * 128 * kColumnBlocks;
+  static constexpr int kOutputBoxRows = 16;  // the O map's box: a warp's rows
+  static constexpr int kCopyEngineEnd = kOutputBoxOffset + kConsumerWarpGroups * kGroupOutputBytes;
+  // Head_dim 128 only, where it measured faster at 512-1024 keys (1.03-1.07x, docs/cuda-fused.md,
+  // "The copy-engine epilogue"); at 64 it ran level or up to 2-4% slower, and 96 was not measured.
+  static constexpr bool kCopyEngineEpilogue =
+      !kFp8 && kHeadDim == 128 && kCopyEngineEnd <= 227 * 1024;
+  static constexpr int kSmemBytes = kCopyEngineEpilogue ? kCopyEngineEnd : kStagedEnd;
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "P V is m64n64, n128 (head_dim 96 and 128) or n256");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 ||
@@ -138,6 +152,8 @@ struct FusedForwardTmaParams {
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
+  // O's map (boxes of a warp's 16 rows), for the copy-engine epilogue only.
+  CUtensorMap o_map;
 };
 
 namespace sm90_tma {
@@ -145,6 +161,11 @@ namespace sm90_tma {
 // Named barrier ids (0 is __syncthreads): the tensor-core turn of each consumer warpgroup.
 inline constexpr uint32_t kTurnBarrier = 1;
 inline constexpr uint32_t kTurnThreads = 256;  // the warpgroup handing over and the one taking it
+// The copy-engine epilogue, per consumer warpgroup w (up to three): w's rows of O are in its box
+// (w arrives, its store warp syncs) / the box is free again (the other way round).
+inline constexpr uint32_t kOutputStagedBarrier = 4;
+inline constexpr uint32_t kOutputFreeBarrier = 7;
+inline constexpr uint32_t kOutputHandoffThreads = 128 + 32;  // a consumer warpgroup, a store warp
 
 // The mbarriers of the shared-memory tail (Traits::kBarrierOffset).
 template <typename Traits>
@@ -440,6 +461,91 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
   if (leader) LeaveQueryQueue(params.p.tile_counters);
 }
 
+// The copy-engine epilogue. A consumer warpgroup writes its 64 rows of a block's O into its box
+// (kColumnBlocks column blocks of 64 rows x 128 bytes, 128-byte swizzled) and this header, then
+// hands the box to its store warp (warp 1 + w of the producer warpgroup), which has the copy
+// engine store it and hands it back once the engine has read it. The consumers go on to their
+// next block at once: the global stores, which cost them the most of a block's boundary
+// (docs/cuda-fused.md, "What limits it now"), leave their path.
+struct OutputBoxHeader {
+  // The box's first row in the O map's coordinates (in a variable-length batch, whose map is one
+  // sequence of every token, that is the row's token); rows: of the box's 64 inside the block.
+  int map_row, head, map_sequence, rows;
+};
+
+// Element (r, column block cb, 16-byte chunk c) of a box: the 128-byte swizzle puts chunk c of
+// row r at c ^ (r % 8), as the copy engine reads it; a warp's 8 rows of one 4-byte store then
+// fall in 32 distinct banks.
+__device__ __forceinline__ uint32_t OutputBoxOffset(int r, int cb, int c) {
+  return cb * 64 * 128 + r * 128 + ((c ^ (r % 8)) * 16);
+}
+
+// Rows [from, h.rows) of a variable-length block's box (the ones the O map would carry on into
+// the next sequence) to O by the store warp's lanes: a 16-byte bulk copy a piece (O has a map,
+// so its rows are 16-byte aligned). Only the copy engine reads the boxes, never the warp's
+// lanes, so that the named barriers' arrivals order every access (a bar.arrive does not order
+// plain loads for compute-sanitizer's racecheck).
+template <typename Traits>
+__device__ __forceinline__ void CopyOutputRows(const FusedForwardParams& p, uint32_t box,
+                                               const OutputBoxHeader& h, int from, int lane) {
+  using Output = typename Traits::OutputElement;
+  constexpr int kPieces = Traits::kHeadDim / 8;  // 16-byte pieces of a row's head_dim columns
+  Output* rows = static_cast<Output*>(p.o) + int64_t{h.map_row} * p.o_token_stride +
+                 int64_t{h.head} * p.o_head_stride;
+  for (int i = from * kPieces + lane; i < h.rows * kPieces; i += 32) {
+    const int r = i / kPieces, c = i % kPieces;
+    tma::StoreBulk(rows + r * p.o_token_stride + c * 8, box + OutputBoxOffset(r, c / 8, c % 8), 16);
+  }
+  tma::BulkCommit();
+}
+
+// Store warp `group`'s loop. It reads the CTA's block places as the consumers do (every lane
+// releases the slot, as every consumer thread does), so that it knows each block's rows without
+// a header from the consumers; for each block that has rows, it hands the box back (arrives:
+// the previous block's copies have read it), waits for the consumer warpgroup's rows, and has
+// the copy engine store them. The copy engine takes boxes of 16 rows: in a dense batch every box
+// holding a row of the block (the map drops the rows past the sequence), in a variable-length
+// one the full ones only, the lanes copying the rest. The consumers' writes and the copies are
+// ordered by the named barriers and the consumers' proxy fence; no lane reads a box itself.
+template <typename Traits>
+__device__ __forceinline__ void StoreOutputBoxes(const FusedForwardTmaParams& params,
+                                                 const QueryBlockOrder& order,
+                                                 const Barriers<Traits>& bars, const int* slots,
+                                                 uint32_t box, int group) {
+  constexpr int kBoxRows = Traits::kOutputBoxRows;
+  const FusedForwardParams& p = params.p;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) tma::PrefetchTensorMap(&params.o_map);
+  for (int step = 0;; ++step) {
+    const int place = ReadQueryBlockSlot(bars, slots, step);
+    if (place >= order.total) break;
+    const QueryBlockIndex at = order[place];
+    const QueryBlock<Traits::kBlockM> block(p, at.m_block, at.head, at.batch);
+    if (block.empty()) continue;
+    const QueryTileAt at_o = QueryTileOf(p, block);
+    const OutputBoxHeader h{at_o.row + 64 * group, block.head, at_o.sequence,
+                            max(0, min(64, block.rows() - 64 * group))};
+    tma::NamedBarrierArrive(kOutputFreeBarrier + group, kOutputHandoffThreads);
+    tma::NamedBarrierSync(kOutputStagedBarrier + group, kOutputHandoffThreads);
+    const int by_engine = p.cu_seqlens_q != nullptr ? h.rows / kBoxRows * kBoxRows : h.rows;
+    if (lane == 0 && by_engine > 0) {
+      for (int g = 0; g * kBoxRows < by_engine; ++g) {
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColumnBlocks; ++cb) {
+          tma::Store4d(&params.o_map, box + OutputBoxOffset(g * kBoxRows, cb, 0),
+                       cb * Traits::kBlockColumns, h.map_row + g * kBoxRows, h.head,
+                       h.map_sequence);
+        }
+      }
+      tma::BulkCommit();
+    }
+    if (by_engine < h.rows) CopyOutputRows<Traits>(p, box, h, by_engine, lane);
+    tma::BulkWaitRead();  // each lane's own copies have read the box
+    __syncwarp();
+  }
+  tma::BulkWait();  // O written before the grid ends
+}
+
 }  // namespace sm90_tma
 
 template <typename Traits, typename Source = sm90_tma::DenseKvTiles<Traits>>
@@ -456,6 +562,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
   const FusedForwardParams& p = params.p;
   const QueryBlockOrder order = QueryBlockOrder::Of<kBlockM>(p);
+  // The copy engine stores O where the traits have the boxes and the source's parameters carry
+  // O's map (the dense source's).
+  constexpr bool kCopyEngineEpilogue =
+      Traits::kCopyEngineEpilogue && std::is_same_v<typename Source::Params, FusedForwardTmaParams>;
 
   // Named as in the other Hopper kernels: one name for the 1024-byte-aligned dynamic tile
   // in a translation unit, where the portable kernel declares its own, 128-byte-aligned.
@@ -473,7 +583,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int slot = 0; slot < 2; ++slot) {
       tma::InitBarrier(bars.slot_full(slot), 1);
-      tma::InitBarrier(bars.slot_empty(slot), kConsumerThreads);
+      // Every consumer thread releases a slot, and every store warp's lane where they read them.
+      tma::InitBarrier(
+          bars.slot_empty(slot),
+          kConsumerThreads + (kCopyEngineEpilogue ? 32 * Traits::kConsumerWarpGroups : 0));
     }
 #pragma unroll
     for (int stage = 0; stage < kStages; ++stage) {
@@ -489,6 +602,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   if (warp_group == 0) {
     tma::ReleaseRegisters<Traits::kProducerRegisters>();
+    if constexpr (kCopyEngineEpilogue) {
+      const int group = static_cast<int>(threadIdx.x / 32) - 1;  // warps 1.. store O
+      if (group >= 0) {
+        if (group < Traits::kConsumerWarpGroups) {
+          StoreOutputBoxes<Traits>(
+              params, order, bars, slots,
+              q_tile + Traits::kOutputBoxOffset + group * Traits::kGroupOutputBytes, group);
+        }
+        return;
+      }
+    }
     if (threadIdx.x < Source::kProducerThreads) {
       ProduceTiles<Traits, Source>(params, order, bars, slots, q_tile, k_tiles, v_tiles);
     }
@@ -622,9 +746,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     // Epilogue: O = acc / l (0 for rows that saw no key), the rows inside the sequence and the
-    // head_dim columns of each; staged through the warp's shared-memory rows where the traits
-    // have them (a quad's 16 contiguous bytes of a row at a time otherwise cost the store unit
-    // twice the sectors). Staging in Q's buffer instead would hold it past the block's last
+    // head_dim columns of each: into the warpgroup's box for its store warp where the kernel has
+    // the copy-engine epilogue, else staged through the warp's shared-memory rows where the
+    // traits have them (a quad's 16 contiguous bytes of a row at a time otherwise cost the store
+    // unit twice the sectors). Staging in Q's buffer instead would hold it past the block's last
     // Q K^T, and the next block's Q load behind this epilogue.
     using Output = typename Traits::OutputElement;
     float* lse = block.lse(p);
@@ -633,6 +758,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // This warp's 8 rows of the staging buffer.
     [[maybe_unused]] const uint32_t staging =
         ConsumerWarpStaging(q_tile + Traits::kStagingOffset, Traits::kWarpStagingBytes);
+    [[maybe_unused]] const uint32_t box =
+        q_tile + Traits::kOutputBoxOffset + consumer * Traits::kGroupOutputBytes;
+    // The store warp has had the copy engine read this warpgroup's previous block out of it.
+    if constexpr (kCopyEngineEpilogue) {
+      tma::NamedBarrierSync(kOutputFreeBarrier + consumer, kOutputHandoffThreads);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float l = QuadSum(softmax.l[half]);
@@ -642,7 +773,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         l *= 1.f / (1 << Traits::kProbabilityLog2Scale);  // exact: a power of two
       }
       const int row = local_row + half * 8;
-      if constexpr (Traits::kStagedEpilogue) {
+      if constexpr (kCopyEngineEpilogue) {
+        const int box_row = warp * 16 + quad_row + half * 8;
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          ptx::StoreShared32(
+              box + OutputBoxOffset(box_row, n / 8, n % 8) + quad_col * 4,
+              ptx::PackPair<Output>(acc[0][n][2 * half] * inv_l, acc[0][n][2 * half + 1] * inv_l));
+        }
+      } else if constexpr (Traits::kStagedEpilogue) {
         const int first_row = local_row - quad_row + half * 8;  // of the warp's 8 in this pass
         StoreStagedRows<Output, kHeadDim>(acc_flat, half, inv_l, staging,
                                           o + first_row * p.o_token_stride, p.o_token_stride,
@@ -659,6 +798,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // 16-bit: p.scale re-read from parameter space rather than kept live in a register.
         lse[row] = RowLse(softmax.m[half], l, Traits::kFp8 ? score_scale : p.scale);
       }
+    }
+    if constexpr (kCopyEngineEpilogue) {
+      wgmma::FenceSharedForAsyncProxy();
+      tma::NamedBarrierArrive(kOutputStagedBarrier + consumer, kOutputHandoffThreads);
     }
   }
   if (consumer == 0) tma::NamedBarrierSync(my_turn, kTurnThreads);

@@ -92,6 +92,14 @@ cudaError_t EncodeQTensorMap(const FusedForwardParams& p, int head_dim, int box_
                               box_rows, q_map);
 }
 
+cudaError_t EncodeOTensorMap(const FusedForwardParams& p, int head_dim, int box_rows,
+                             CUtensorMap* o_map) {
+  if (p.o == nullptr) return cudaErrorNotSupported;
+  return EncodeTokenTensorMap(BatchTensorView(p, p.o, head_dim, p.seqlen_q, p.total_q, p.num_heads,
+                                              p.o_token_stride, p.o_head_stride),
+                              box_rows, o_map);
+}
+
 cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q_box_rows,
                                 int kv_box_rows, CUtensorMap* q_map, CUtensorMap* k_map,
                                 CUtensorMap* v_map) {

@@ -44,6 +44,11 @@ TokenTensorView BatchTensorView(const FusedForwardParams& p, const void* data, i
 cudaError_t EncodeQTensorMap(const FusedForwardParams& p, int head_dim, int box_rows,
                              CUtensorMap* q_map);
 
+// The map of `p`'s O (16-bit, the dtype's), boxes of `box_rows` rows, the same way: what the
+// warp-specialised forward's copy-engine epilogue stores through.
+cudaError_t EncodeOTensorMap(const FusedForwardParams& p, int head_dim, int box_rows,
+                             CUtensorMap* o_map);
+
 // The maps of `p`'s Q (boxes of `q_box_rows` rows) and K and V (`kv_box_rows`), each through
 // BatchTensorView and EncodeTokenTensorMap: the first error, or cudaSuccess.
 cudaError_t EncodeQkvTensorMaps(const FusedForwardParams& p, int head_dim, int q_box_rows,

@@ -79,6 +79,27 @@ __device__ __forceinline__ void Load4d(uint32_t dst, const void* map, uint32_t b
       : "memory");
 }
 
+// Stores the box at `src` (laid out as Load4d of the same map fills it) into the 4-D tensor
+// map's box at (c0, c1, c2, c3); elements outside the tensor are dropped. A bulk group of the
+// calling thread, as the reductions below (BulkCommit, BulkWaitRead, BulkWait).
+__device__ __forceinline__ void Store4d(const void* map, uint32_t src, int c0, int c1, int c2,
+                                        int c3) {
+  ATTN_SM90_ASM(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Copies `bytes` (a multiple of 16) from shared memory at `src` to device memory at `dst`, both
+// 16-byte aligned; a bulk group of the calling thread, as Store4d.
+__device__ __forceinline__ void StoreBulk(void* dst, uint32_t src, uint32_t bytes) {
+  ATTN_SM90_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(
+                    reinterpret_cast<uint64_t>(dst)),
+                "r"(src), "r"(bytes)
+                : "memory");
+}
+
 // ---- Bulk reductions: shared memory added into global memory by the copy engine, float32
 // element by element (not atomic as a whole, each element added atomically). Groups are per
 // thread: Commit closes the thread's copies issued since its last Commit.
