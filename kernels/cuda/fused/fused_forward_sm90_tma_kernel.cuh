@@ -28,7 +28,9 @@
 //
 // P stays in registers as the A operand of P V. Tiles run from the last visible key tile to
 // the first (BlockMask), as in the other kernels. O = acc / l goes to device memory through a
-// few rows of shared memory per warp, in 16-byte pieces; LSE = m * scale + log(l).
+// few rows of shared memory per warp, in 16-byte pieces, or, at head_dim 128 with 128-key tiles,
+// through a box per consumer that a store warp of the producer warpgroup has the copy engine
+// store; LSE = m * scale + log(l).
 //
 // The same kernel runs the FP8 forward (fp8_forward.cu): e4m3 tiles (Element of one byte), both
 // products on e4m3 instructions, V transposed in global memory, O in bf16.
@@ -114,11 +116,11 @@ struct FusedForwardSm90TmaTraits {
   static constexpr bool kStagedEpilogue = kStagingOffset + kStagingBytes <= 227 * 1024;
   static constexpr int kStagedEnd =
       kStagedEpilogue ? kStagingOffset + kStagingBytes : kSlotOffset + 2 * 4;
-  // Where they fit as well (the 128-key shapes at head_dim 64, 96 and 128), each consumer
-  // warpgroup has a box of its 64 rows of O (kColumnBlocks 128-byte-swizzled column blocks, the
-  // layout the copy engine reads) and a header telling where they go; a warp of the producer
-  // warpgroup stores them by the copy engine (the copy-engine epilogue, below). 16-bit O only.
-  // Kernels whose K/V source has no O map (the paged prefill) keep the staged rows.
+  // After them, where they fit, each consumer warpgroup has a box of its 64 rows of O
+  // (kColumnBlocks 128-byte-swizzled column blocks, the layout the copy engine reads); a warp of
+  // the producer warpgroup stores it by the copy engine (the copy-engine epilogue, below).
+  // 16-bit O only. Kernels whose K/V source has no O map (the paged prefill) keep the staged
+  // rows.
   static constexpr int kOutputBoxOffset = (kStagedEnd + 1023) / 1024 * 1024;
   static constexpr int kGroupOutputBytes = 64 * 128 * kColumnBlocks;
   static constexpr int kOutputBoxRows = 16;  // the O map's box: a warp's rows
@@ -462,11 +464,12 @@ __device__ __forceinline__ void ProduceTiles(const typename Source::Params& para
 }
 
 // The copy-engine epilogue. A consumer warpgroup writes its 64 rows of a block's O into its box
-// (kColumnBlocks column blocks of 64 rows x 128 bytes, 128-byte swizzled) and this header, then
-// hands the box to its store warp (warp 1 + w of the producer warpgroup), which has the copy
+// (kColumnBlocks column blocks of 64 rows x 128 bytes, 128-byte swizzled), then hands the box to
+// its store warp (warp 1 + w of the producer warpgroup), which has the copy
 // engine store it and hands it back once the engine has read it. The consumers go on to their
 // next block at once: the global stores, which cost them the most of a block's boundary
 // (docs/cuda-fused.md, "What limits it now"), leave their path.
+// Where a store warp's box goes, which it works out from the block's place.
 struct OutputBoxHeader {
   // The box's first row in the O map's coordinates (in a variable-length batch, whose map is one
   // sequence of every token, that is the row's token); rows: of the box's 64 inside the block.

@@ -42,11 +42,6 @@ __device__ __forceinline__ void WaitAsyncGroups() {
 __device__ __forceinline__ void StoreShared32(uint32_t smem, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem), "r"(value) : "memory");
 }
-__device__ __forceinline__ void StoreShared128(uint32_t smem, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
-}
 __device__ __forceinline__ uint4 LoadShared128(uint32_t smem) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
