@@ -14,8 +14,10 @@
 # reference; required), PASS (fwd or bwd; fwd), DTYPES (bf16,fp16), DIMS (64,128),
 # LENGTHS (1024,4096,16384), CAUSAL (0,1), ROUNDS (2), BENCH_ARGS (extra attn_kernel_bench
 # flags, e.g. --kernel=sm90_tma), ANCHOR (sdpa_anchor.py backends, CUDNN; "none" skips it),
-# BUNDLE (build/gpu-bundle). Results in $OUT: ab.jsonl (rows tagged build and round),
-# sdpa.jsonl, anchor.txt, table.md (also printed last).
+# BUNDLE (build/gpu-bundle). Results in $OUT, four files (so that bench/run_gpu.sh's tests can
+# share the call and its eight returned files): ab.jsonl (rows tagged build and round),
+# sdpa.jsonl, ab.log (the GPU, each run's status, the programs' stderr), table.md (also
+# printed last).
 set -uo pipefail
 
 bundle=${BUNDLE:-build/gpu-bundle}
@@ -32,7 +34,9 @@ pass=${PASS:-fwd}
 dtypes=${DTYPES:-bf16,fp16} dims=${DIMS:-64,128} lengths=${LENGTHS:-1024,4096,16384}
 causal=${CAUSAL:-0,1}
 
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+log="$out/ab.log"
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)
+echo "$(date -u +%FT%TZ) $gpu" | tee "$log"
 : >"$out/ab.jsonl"
 for round in $(seq "${ROUNDS:-2}"); do
   for b in $BUILDS; do
@@ -40,9 +44,9 @@ for round in $(seq "${ROUNDS:-2}"); do
     # shellcheck disable=SC2086
     "attn_kernel_bench_$b" --json --pass="$pass" --engine=fused --dtype="$dtypes" --d="$dims" \
       --n="$lengths" --causal="$causal" --min_ms=30 --warmup_ms=10 ${BENCH_ARGS:-} \
-      2>>"$out/bench.err" |
+      2>>"$log" |
       sed "s/^{/{\"build\":\"$b\",\"round\":$round,/" >>"$out/ab.jsonl"
-    echo "round $round $b: rc=${PIPESTATUS[0]} ($((SECONDS - start)) s)"
+    echo "round $round $b: rc=${PIPESTATUS[0]} ($((SECONDS - start)) s)" | tee -a "$log"
   done
 done
 
@@ -51,9 +55,12 @@ if [[ ${ANCHOR:-CUDNN} != none ]]; then
   rm -f "$out/sdpa.jsonl"
   python3 bench/sdpa_anchor.py --pass "$pass" --dtype "$dtypes" --d "$dims" --n "$lengths" \
     --causal "$causal" --backends "${ANCHOR:-CUDNN}" --rep-ms 40 --out "$out/sdpa.jsonl" \
-    >"$out/anchor.txt" 2>&1 || { echo "ab_builds: sdpa_anchor failed:"; tail -3 "$out/anchor.txt"; }
+    >>"$log" 2>&1 || { echo "ab_builds: sdpa_anchor failed:"; tail -3 "$log"; }
   [[ -s $out/sdpa.jsonl ]] && anchor=(--anchor "$out/sdpa.jsonl")
 fi
-python3 bench/ab_table.py "$out/ab.jsonl" "${anchor[@]}" >"$out/table.md"
+{
+  echo "$gpu"
+  python3 bench/ab_table.py "$out/ab.jsonl" "${anchor[@]}"
+} >"$out/table.md"
 echo
 cat "$out/table.md"
